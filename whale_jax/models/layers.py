@@ -1,0 +1,236 @@
+"""Layers shared by the Qwen3.5 and dense decoders: norms, RoPE, SwiGLU, gated full attention and
+Gated DeltaNet. Axis letters: B batch, T new tokens, S cache slots, D model, F ffn, H query/value
+heads, N kv heads, K head dim, V value head dim, C conv channels, W conv window, G stacked layers.
+
+Every module may be built with a leading stack axis G (layers scanned together); its methods see
+one layer's slice. Parameters carry logical axis names (``axes``) for the sharding table.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from whale_jax.config import ModelConfig
+from whale_jax.models.gated_delta import gated_delta_rule
+
+Array = jax.Array
+NEG_INF = -1e30  # finite: a fully masked row (an idle slot) stays finite instead of NaN
+
+
+def make_param(rngs, stack, shape, axes, *, init="normal", scale=0.02, dtype=jnp.float32):
+    """A parameter of ``shape`` with an optional leading stack axis (logical name "layers")."""
+    full = ((stack,) if stack else ()) + tuple(shape)
+    names = (("layers",) if stack else ()) + tuple(axes)
+    if init == "normal":
+        value = scale * jax.random.normal(rngs.params(), full, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(full, dtype)
+    elif init == "ones":
+        value = jnp.ones(full, dtype)
+    elif init == "a_log":  # A uniform in [1, 16]: decay rates spread over timescales
+        value = jnp.log(jax.random.uniform(rngs.params(), full, jnp.float32, 1.0, 16.0))
+    else:
+        raise ValueError(init)
+    return nnx.Param(value.astype(dtype), axes=names)
+
+
+def rms_norm(x: Array, weight: Array, eps: float, offset: float = 0.0) -> Array:
+    """x / rms(x) * (offset + w), computed in fp32. offset=1 is Qwen3.5's zero-centred norm."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def apply_rope(x_BTHK: Array, positions_BT: Array, inv_freq) -> Array:
+    """NeoX rotation of the first 2*len(inv_freq) dims of each head; the remaining dims pass."""
+    inv_freq = np.asarray(inv_freq, np.float32)
+    rot = 2 * inv_freq.shape[0]
+    if rot == 0:
+        return x_BTHK
+    angles_BTR = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    cos = jnp.cos(angles_BTR)[:, :, None, :].astype(x_BTHK.dtype)
+    sin = jnp.sin(angles_BTR)[:, :, None, :].astype(x_BTHK.dtype)
+    x1, x2, rest = x_BTHK[..., : rot // 2], x_BTHK[..., rot // 2 : rot], x_BTHK[..., rot:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim, cfg: ModelConfig, *, offset: float, stack=0, axes=("norm",), rngs):
+        self.eps, self.offset = cfg.rms_norm_eps, offset
+        self.weight = make_param(rngs, stack, (dim,), axes, init="zeros" if offset else "ones")
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps, self.offset)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate x) * up x)."""
+
+    def __init__(self, cfg: ModelConfig, *, stack=0, dtype=jnp.float32, rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = make_param(rngs, stack, (d, f), ("embed", "mlp"), dtype=dtype)
+        self.up_proj = make_param(rngs, stack, (d, f), ("embed", "mlp"), dtype=dtype)
+        self.down_proj = make_param(rngs, stack, (f, d), ("mlp", "embed"), dtype=dtype)
+
+    def __call__(self, x_BTD):
+        gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_proj[...])
+        up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_proj[...])
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, self.down_proj[...])
+
+
+class Attention(nnx.Module):
+    """Full causal attention with GQA, RoPE on the first rotary dims, optional q/k RMSNorm, qkv bias
+    and Qwen3.5's sigmoid output gate (q_proj then holds [q | gate] per head)."""
+
+    def __init__(self, cfg: ModelConfig, *, stack=0, dtype=jnp.float32, rngs):
+        d, h, n, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.inv_freq = tuple(float(f) for f in cfg.rope.inv_freq())  # static, hashable
+        q_width = 2 * k if cfg.attn_output_gate else k
+        self.q_proj = make_param(rngs, stack, (d, h, q_width), ("embed", "heads", None), dtype=dtype)
+        self.k_proj = make_param(rngs, stack, (d, n, k), ("embed", "kv_heads", None), dtype=dtype)
+        self.v_proj = make_param(rngs, stack, (d, n, k), ("embed", "kv_heads", None), dtype=dtype)
+        self.o_proj = make_param(rngs, stack, (h, k, d), ("heads", None, "embed"), dtype=dtype)
+        if cfg.attention_bias:
+            self.q_bias = make_param(rngs, stack, (h, q_width), ("heads", None), init="zeros")
+            self.k_bias = make_param(rngs, stack, (n, k), ("kv_heads", None), init="zeros")
+            self.v_bias = make_param(rngs, stack, (n, k), ("kv_heads", None), init="zeros")
+        if cfg.qk_norm:
+            offset = cfg.norm_offset
+            self.q_norm = RMSNorm(k, cfg, offset=offset, stack=stack, rngs=rngs)
+            self.k_norm = RMSNorm(k, cfg, offset=offset, stack=stack, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None):
+        """cache: None (self-attention over the T tokens) or (k_BSNK, v_BSNK) for this layer, in
+        which case the new keys are written at ``lengths_B + t`` and the updated pair is returned."""
+        cfg = self.cfg
+        K = cfg.head_dim
+        q_BTHX = jnp.einsum("btd,dhx->bthx", x_BTD, self.q_proj[...])
+        k_BTNK = jnp.einsum("btd,dnk->btnk", x_BTD, self.k_proj[...])
+        v_BTNK = jnp.einsum("btd,dnk->btnk", x_BTD, self.v_proj[...])
+        if cfg.attention_bias:
+            q_BTHX = q_BTHX + self.q_bias[...].astype(q_BTHX.dtype)
+            k_BTNK = k_BTNK + self.k_bias[...].astype(k_BTNK.dtype)
+            v_BTNK = v_BTNK + self.v_bias[...].astype(v_BTNK.dtype)
+        q_BTHK, gate_BTHK = q_BTHX[..., :K], q_BTHX[..., K:]
+        if cfg.qk_norm:
+            q_BTHK, k_BTNK = self.q_norm(q_BTHK), self.k_norm(k_BTNK)
+        q_BTHK = apply_rope(q_BTHK, positions_BT, self.inv_freq)
+        k_BTNK = apply_rope(k_BTNK, positions_BT, self.inv_freq)
+
+        T = x_BTD.shape[1]
+        if cache is None:
+            keys_BSNK, values_BSNK = k_BTNK, v_BTNK
+            idx = jnp.arange(T)
+            allowed_BTS = (idx[:, None] >= idx[None, :]) & valid_BT[:, None, :]
+            allowed_BTS = allowed_BTS | (idx[:, None] == idx[None, :])
+            new_cache = None
+        else:
+            k_cache, v_cache = cache
+            S = k_cache.shape[1]
+            # Pads (and anything past the cache) go to index S, which scatter drops.
+            write_BT = jnp.where(valid_BT, positions_BT, S)
+            rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
+            k_cache = k_cache.at[rows_B1, write_BT].set(k_BTNK.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[rows_B1, write_BT].set(v_BTNK.astype(v_cache.dtype), mode="drop")
+            keys_BSNK, values_BSNK = k_cache, v_cache
+            new_len_B = lengths_B + valid_BT.sum(-1)
+            slots_S = jnp.arange(S)
+            allowed_BTS = (slots_S[None, None, :] <= positions_BT[:, :, None]) & (
+                slots_S[None, None, :] < new_len_B[:, None, None]
+            )
+            new_cache = (k_cache, v_cache)
+
+        H, N = cfg.num_heads, cfg.num_kv_heads
+        q_BTNRK = q_BTHK.reshape(*q_BTHK.shape[:2], N, H // N, K)
+        scores = jnp.einsum("btnrk,bsnk->bnrts", q_BTNRK, keys_BSNK.astype(q_BTHK.dtype))
+        scores = scores.astype(jnp.float32) * (K**-0.5)
+        scores = jnp.where(allowed_BTS[:, None, None], scores, NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1).astype(values_BSNK.dtype)
+        out_BTNRK = jnp.einsum("bnrts,bsnk->btnrk", probs, values_BSNK)
+        out_BTHK = out_BTNRK.reshape(q_BTHK.shape).astype(x_BTD.dtype)
+        if cfg.attn_output_gate:
+            out_BTHK = out_BTHK * jax.nn.sigmoid(gate_BTHK)
+        return jnp.einsum("bthk,hkd->btd", out_BTHK, self.o_proj[...]), new_cache
+
+
+def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+class GatedDeltaNet(nnx.Module):
+    """Qwen3.5's linear-attention mixer.
+
+    x -> fused [q | k | v] projection -> causal depthwise conv (window W) + silu -> l2-normalised
+    q, k; beta = sigmoid(b x); g = -exp(A_log) * softplus(a x + dt_bias) -> gated delta rule ->
+    RMSNorm(out) * silu(z x) (a plain, not zero-centred, norm) -> out projection.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, stack=0, dtype=jnp.float32, rngs):
+        d, c, hv = cfg.hidden_size, cfg.gdn_conv_dim, cfg.linear_num_value_heads
+        self.cfg = cfg
+        self.in_proj_qkv = make_param(rngs, stack, (d, c), ("embed", "gdn_qkv"), dtype=dtype)
+        self.in_proj_z = make_param(rngs, stack, (d, cfg.gdn_value_dim), ("embed", "gdn_v"), dtype=dtype)
+        self.in_proj_b = make_param(rngs, stack, (d, hv), ("embed", None), dtype=dtype)
+        self.in_proj_a = make_param(rngs, stack, (d, hv), ("embed", None), dtype=dtype)
+        self.conv = make_param(rngs, stack, (cfg.linear_conv_kernel, c), (None, "gdn_qkv"), scale=0.3, dtype=dtype)
+        self.dt_bias = make_param(rngs, stack, (hv,), (None,), init="ones")
+        self.A_log = make_param(rngs, stack, (hv,), (None,), init="a_log")
+        self.norm = RMSNorm(cfg.linear_value_head_dim, cfg, offset=0.0, stack=stack, rngs=rngs)
+        self.out_proj = make_param(rngs, stack, (cfg.gdn_value_dim, d), ("gdn_v", "embed"), dtype=dtype)
+
+    def __call__(self, x_BTD, valid_BT, cache=None):
+        """cache: None (fresh sequence) or (conv_BWC, state_BHKV) for this layer; the updated pair is
+        returned. Pads contribute nothing: their conv inputs are zero and g = beta = k = v = 0."""
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        W = cfg.linear_conv_kernel
+        keep_BT1 = valid_BT[..., None]
+        x_BTD = jnp.where(keep_BT1, x_BTD, 0)
+        mixed_BTC = jnp.einsum("btd,dc->btc", x_BTD, self.in_proj_qkv[...])
+        if cache is None:
+            window_BWC = jnp.zeros((B, W - 1, mixed_BTC.shape[-1]), mixed_BTC.dtype)
+            state = None
+        else:
+            window_BWC, state = cache
+            window_BWC = window_BWC.astype(mixed_BTC.dtype)
+        # Causal depthwise conv over [cached window | new tokens]; output t sees inputs t-W+1 .. t.
+        full_BLC = jnp.concatenate([window_BWC, mixed_BTC], axis=1)
+        conv_WC = self.conv[...]
+        conv_BTC = sum(full_BLC[:, i : i + T] * conv_WC[i] for i in range(W))
+        conv_BTC = jax.nn.silu(conv_BTC)
+
+        kd, hk, hv = cfg.linear_key_head_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        q_BTHK = conv_BTC[..., : cfg.gdn_key_dim].reshape(B, T, hk, kd)
+        k_BTHK = conv_BTC[..., cfg.gdn_key_dim : 2 * cfg.gdn_key_dim].reshape(B, T, hk, kd)
+        v_BTHV = conv_BTC[..., 2 * cfg.gdn_key_dim :].reshape(B, T, hv, cfg.linear_value_head_dim)
+        q_BTHK, k_BTHK = l2_normalize(q_BTHK), l2_normalize(k_BTHK)
+        b_BTH = jnp.einsum("btd,dh->bth", x_BTD, self.in_proj_b[...]).astype(jnp.float32)
+        a_BTH = jnp.einsum("btd,dh->bth", x_BTD, self.in_proj_a[...]).astype(jnp.float32)
+        beta_BTH = jax.nn.sigmoid(b_BTH)
+        g_BTH = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a_BTH + self.dt_bias[...].astype(jnp.float32)
+        )
+        beta_BTH = jnp.where(valid_BT[..., None], beta_BTH, 0.0)
+        g_BTH = jnp.where(valid_BT[..., None], g_BTH, 0.0)
+        k_BTHK = jnp.where(keep_BT1[..., None], k_BTHK, 0)
+        v_BTHV = jnp.where(keep_BT1[..., None], v_BTHV, 0)
+        out_BTHV, state = gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state)
+
+        z_BTHV = jnp.einsum("btd,dc->btc", x_BTD, self.in_proj_z[...]).reshape(out_BTHV.shape)
+        out_BTHV = rms_norm(out_BTHV, self.norm.weight[...], cfg.rms_norm_eps).astype(jnp.float32)
+        out_BTHV = (out_BTHV * jax.nn.silu(z_BTHV.astype(jnp.float32))).astype(x_BTD.dtype)
+        out_BTD = jnp.einsum("btc,cd->btd", out_BTHV.reshape(B, T, -1), self.out_proj[...])
+
+        new_cache = None
+        if cache is not None:
+            # The next window is the last W-1 conv inputs of each row, ending at its last valid token.
+            n_new_B = valid_BT.sum(-1)
+            idx_BW = n_new_B[:, None] + jnp.arange(W - 1)[None, :]
+            new_window = jnp.take_along_axis(full_BLC, idx_BW[..., None], axis=1)
+            new_cache = (new_window.astype(cache[0].dtype), state)
+        return out_BTD, new_cache

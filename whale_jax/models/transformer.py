@@ -1,0 +1,193 @@
+"""The decoder: embeddings, layer groups scanned with ``lax.scan``, final norm, LM head.
+
+Layers are grouped by the period of ``layer_types`` (Qwen3.5: [linear, linear, linear, full]; dense
+models: [full]); each position in the period is one ``Block`` whose parameters are stacked over the
+G = num_layers / period groups, and one scan step runs a whole group. Compile time stays flat in
+depth, and the decode cache rides in the scan carry so it is updated in place.
+
+Two ways in:
+- ``model(tokens_BT, valid_BT)``: full-sequence logits, no cache (training, scoring). Any pad
+  pattern works; positions count valid tokens only, so left padding changes nothing.
+- ``model.extend(cache, tokens_BT, n_new_B)``: continues every row of a ``DecodeCache`` by its own
+  number of new tokens (right-padded in ``tokens_BT``); ``prefill`` is ``extend`` from an empty
+  cache. Returns logits and the updated cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from whale_jax.config import FULL, ModelConfig
+from whale_jax.models.layers import MLP, Attention, GatedDeltaNet, RMSNorm, make_param
+
+Array = jax.Array
+
+
+@struct.dataclass
+class DecodeCache:
+    """Per-row (slot) decode state. ``layers[i]`` belongs to block i of the period, stacked over G:
+    full attention (k_GBSNK, v_GBSNK); Gated DeltaNet (conv window_GBWC, state_GBHKV in fp32)."""
+
+    lengths: Array  # [B] int32: tokens already in the cache per row
+    layers: tuple
+
+    @property
+    def capacity(self) -> int:
+        for kind_cache in self.layers:
+            if kind_cache[0].ndim == 5:
+                return kind_cache[0].shape[2]
+        return 1 << 30  # no full-attention layer: the recurrent state has no length limit
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, *, stack: int, dtype, rngs):
+        self.kind = kind
+        off = cfg.norm_offset
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg, offset=off, stack=stack, rngs=rngs)
+        if kind == FULL:
+            self.attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        else:
+            self.gdn = GatedDeltaNet(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg, offset=off, stack=stack, rngs=rngs)
+        self.mlp = MLP(cfg, stack=stack, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None):
+        h_BTD = self.input_norm(x_BTD)
+        if self.kind == FULL:
+            h_BTD, cache = self.attn(h_BTD, positions_BT, valid_BT, cache, lengths_B)
+        else:
+            h_BTD, cache = self.gdn(h_BTD, valid_BT, cache)
+        x_BTD = x_BTD + h_BTD
+        return x_BTD + self.mlp(self.post_norm(x_BTD)), cache
+
+
+class Blocks(nnx.Module):
+    """One Block per position of the layer-type period, each stacked over the groups."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs):
+        self.count = cfg.period
+        for i, kind in enumerate(cfg.layer_types[: cfg.period]):
+            setattr(self, f"b{i}", Block(cfg, kind, stack=cfg.num_groups, dtype=dtype, rngs=rngs))
+
+    def block(self, i: int) -> Block:
+        return getattr(self, f"b{i}")
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, remat: bool = False):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.remat = remat
+        d = cfg.hidden_size
+        self.embed = make_param(rngs, 0, (cfg.vocab_size, d), ("vocab", "embed"), dtype=dtype)
+        self.blocks = Blocks(cfg, dtype=dtype, rngs=rngs)
+        self.final_norm = RMSNorm(d, cfg, offset=cfg.norm_offset, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = make_param(rngs, 0, (d, cfg.vocab_size), ("embed", "vocab"), dtype=dtype)
+
+    # -- core ---------------------------------------------------------------------------------
+    def _layers(self, x_BTD, positions_BT, valid_BT, cache: DecodeCache | None):
+        graphdef, state = nnx.split(self.blocks)
+        lengths_B = None if cache is None else cache.lengths
+
+        def group(carry, xs):
+            x_BTD, caches = carry
+            g, group_state = xs
+            blocks = nnx.merge(graphdef, group_state)
+            new_caches = []
+            for i in range(blocks.count):
+                if caches is None:
+                    x_BTD, _ = blocks.block(i)(x_BTD, positions_BT, valid_BT)
+                    continue
+                layer_cache = jax.tree.map(lambda c: c[g], caches[i])
+                x_BTD, layer_cache = blocks.block(i)(
+                    x_BTD, positions_BT, valid_BT, layer_cache, lengths_B
+                )
+                new_caches.append(
+                    jax.tree.map(lambda c, n: c.at[g].set(n), caches[i], layer_cache)
+                )
+            return (x_BTD, None if caches is None else tuple(new_caches)), None
+
+        if self.remat:
+            group = jax.checkpoint(group, prevent_cse=False)
+        G = self.cfg.num_groups
+        layer_caches = None if cache is None else cache.layers
+        (x_BTD, layer_caches), _ = jax.lax.scan(
+            group, (x_BTD, layer_caches), (jnp.arange(G), state)
+        )
+        return x_BTD, layer_caches
+
+    def logits(self, h_BTD: Array) -> Array:
+        h_BTD = self.final_norm(h_BTD)
+        if self.cfg.tie_word_embeddings:
+            out = jnp.einsum("btd,vd->btv", h_BTD, self.embed[...])
+        else:
+            out = jnp.einsum("btd,dv->btv", h_BTD, self.lm_head[...])
+        return out.astype(jnp.float32)
+
+    def hidden(self, tokens_BT: Array, valid_BT: Array | None = None) -> Array:
+        """Final hidden states (before the final norm) for full sequences, no cache."""
+        if valid_BT is None:
+            valid_BT = jnp.ones(tokens_BT.shape, bool)
+        valid_BT = valid_BT.astype(bool)
+        positions_BT = jnp.maximum(jnp.cumsum(valid_BT, axis=-1) - 1, 0)
+        x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
+        h_BTD, _ = self._layers(x_BTD, positions_BT, valid_BT, None)
+        return h_BTD
+
+    def __call__(self, tokens_BT: Array, valid_BT: Array | None = None) -> Array:
+        """Logits [B, T, vocab] (fp32) for full sequences; ``valid_BT`` marks real tokens."""
+        return self.logits(self.hidden(tokens_BT, valid_BT))
+
+    # -- cached decoding ----------------------------------------------------------------------
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> DecodeCache:
+        """An empty cache with ``batch`` rows; full-attention layers hold ``max_len`` positions."""
+        cfg, G = self.cfg, self.cfg.num_groups
+        dtype = dtype or self.dtype
+        layers = []
+        for kind in cfg.layer_types[: cfg.period]:
+            if kind == FULL:
+                shape = (G, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+                layers.append((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+            else:
+                window = (G, batch, cfg.linear_conv_kernel - 1, cfg.gdn_conv_dim)
+                state = (
+                    G,
+                    batch,
+                    cfg.linear_num_value_heads,
+                    cfg.linear_key_head_dim,
+                    cfg.linear_value_head_dim,
+                )
+                layers.append((jnp.zeros(window, dtype), jnp.zeros(state, jnp.float32)))
+        return DecodeCache(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers))
+
+    def extend(
+        self, cache: DecodeCache, tokens_BT: Array, n_new_B: Array, *, last_only: bool = False
+    ) -> tuple[Array, DecodeCache]:
+        """Appends ``n_new_B[b]`` tokens (a right-padded prefix of row b of ``tokens_BT``) to every
+        row. Returns logits [B, T, vocab] (or [B, vocab] at each row's last new token when
+        ``last_only``) and the cache with lengths advanced."""
+        T = tokens_BT.shape[1]
+        valid_BT = jnp.arange(T)[None, :] < n_new_B[:, None]
+        positions_BT = cache.lengths[:, None] + jnp.arange(T)[None, :]
+        x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
+        h_BTD, layers = self._layers(x_BTD, positions_BT, valid_BT, cache)
+        if last_only:
+            last_B = jnp.maximum(n_new_B - 1, 0)
+            h_BTD = jnp.take_along_axis(h_BTD, last_B[:, None, None], axis=1)
+            logits = self.logits(h_BTD)[:, 0]
+        else:
+            logits = self.logits(h_BTD)
+        new_cache = DecodeCache(lengths=cache.lengths + n_new_B.astype(jnp.int32), layers=layers)
+        return logits, new_cache
+
+    def prefill(
+        self, tokens_BT: Array, lengths_B: Array, *, max_len: int, last_only: bool = False
+    ) -> tuple[Array, DecodeCache]:
+        """Runs right-padded prompts into a fresh cache of ``max_len`` positions."""
+        cache = self.init_cache(tokens_BT.shape[0], max_len)
+        return self.extend(cache, tokens_BT, lengths_B, last_only=last_only)

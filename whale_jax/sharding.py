@@ -1,0 +1,88 @@
+"""Sharding policy: one mesh with axes (data, fsdp, tp) and one table from logical axis names to mesh
+axes. Every parameter declares its logical axes (``Param(..., axes=...)``); this file alone decides
+where they go. FSDP is the default: the model dimension is split over ``fsdp``, heads and MLP
+columns over ``tp``, batches over ``data`` x ``fsdp``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXES = ("data", "fsdp", "tp")
+
+# logical name -> mesh axis (or axes); None replicates.
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",
+    "vocab": "tp",
+    "mlp": "tp",
+    "heads": "tp",
+    "kv_heads": "tp",
+    "gdn_v": "tp",  # GDN value channels (z projection, out projection)
+    "gdn_qkv": None,  # fused q|k|v conv channels: a tp cut would straddle q, k and v
+    "layers": None,
+    "norm": None,
+}
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tp: int = 1, devices=None) -> Mesh:
+    """A (data, fsdp, tp) mesh over ``devices`` (default: all); one size may be -1 (the rest)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tp]
+    if sizes.count(-1) > 1:
+        raise ValueError("at most one mesh axis size may be -1")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not divide into mesh sizes {sizes}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh {dict(zip(AXES, sizes, strict=True))} needs {int(np.prod(sizes))} "
+                         f"devices, have {len(devices)}")
+    return Mesh(np.asarray(devices, dtype=object).reshape(sizes), AXES)
+
+
+def logical_spec(shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh) -> PartitionSpec:
+    """PartitionSpec for an array of ``shape`` with logical ``axes``. A mesh axis is used at most
+    once, and only where it divides the dimension (tiny test models simply replicate)."""
+    if len(axes) != len(shape):
+        raise ValueError(f"axes {tuple(axes)} do not match shape {tuple(shape)}")
+    used: set[str] = set()
+    spec = []
+    for dim, name in zip(shape, axes, strict=True):
+        target = LOGICAL_RULES.get(name) if name else None
+        if name and name not in LOGICAL_RULES:
+            raise KeyError(f"logical axis {name!r} has no rule in LOGICAL_RULES")
+        mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        chosen = []
+        for ax in mesh_axes:
+            size = int(np.prod([mesh.shape[a] for a in chosen + [ax]]))
+            if ax not in used and mesh.shape[ax] > 1 and dim % size == 0:
+                chosen.append(ax)
+        used.update(chosen)
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    return PartitionSpec(*spec)
+
+
+def param_sharding(variable: nnx.Variable, mesh: Mesh) -> NamedSharding:
+    value = variable.get_value()
+    axes = variable.get_metadata().get("axes") or (None,) * len(value.shape)
+    return NamedSharding(mesh, logical_spec(value.shape, axes, mesh))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Places every parameter of ``model`` on ``mesh`` by the table (in place; returns the model)."""
+    for _, variable in nnx.iter_graph(model):
+        if isinstance(variable, nnx.Variable):
+            variable.set_value(jax.device_put(variable.get_value(), param_sharding(variable, mesh)))
+    return model
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding for [batch, ...] inputs: batch over data x fsdp, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
