@@ -26,8 +26,10 @@ class Channel:
         self._rfile = sock.makefile("rb", buffering=1 << 16)
         self._lock = threading.Lock()
 
-    def send(self, obj: dict[str, Any]) -> None:
-        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    def send(self, obj: dict[str, Any], max_bytes: int | None = None) -> None:
+        data = json.dumps(obj, separators=(",", ":")).encode("ascii")
+        if max_bytes is not None and len(data) > max_bytes:
+            raise ValueError(f"message of {len(data)} bytes is over the {max_bytes}-byte cap")
         frame = _HEADER.pack(len(data)) + data
         with self._lock:
             self.sock.sendall(frame)

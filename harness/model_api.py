@@ -1,9 +1,9 @@
-"""The contract between harness code and a chat model: typed requests, results and a backend protocol.
+"""The contract between harness code and a chat model: typed requests, results, a backend protocol.
 
 Harness code never holds a backend. It calls ``model.chat(...)`` on a proxy inside the sandboxed
-worker; the call travels over IPC to the executor in the main process, which checks budgets and calls
-``ChatBackend.chat`` from a thread pool. The rollout engine (whale_jax) implements ``ChatBackend``;
-``harness.backends`` holds small real backends for tests and benchmarks.
+worker; the call travels over IPC to the executor in the main process, which checks budgets and
+calls ``ChatBackend.chat`` from a thread pool. The rollout engine (whale_jax) implements
+``ChatBackend``; ``harness.backends`` holds small real backends for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
-    """How one completion is sampled. ``enable_thinking=None`` leaves the chat template's default."""
+    """How one completion is sampled; ``enable_thinking=None`` keeps the chat template's default."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -42,7 +42,7 @@ class SamplingSettings:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RngKey:
-    """What a request *is*; the engine derives its sampling RNG from this, never from arrival order."""
+    """What a request *is*: the engine derives its sampling RNG from this, never from arrival."""
 
     run_seed: int
     step: int
@@ -56,8 +56,8 @@ class RngKey:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChatRequest:
-    """One model call. ``session_id`` names a conversation: a later call of the same session sends the
-    full message list, extended; the backend may continue the cached token sequence instead of
+    """One model call. ``session_id`` names a conversation: a later call of the same session sends
+    the full message list, extended; the backend may continue the cached token sequence instead of
     re-rendering it. ``max_prompt_tokens`` is the trusted prompt budget: a backend refuses (error
     ``prompt_too_long``) rather than generate from a longer prompt."""
 

@@ -37,8 +37,10 @@ class ToolCallRecord:
 
 @dataclasses.dataclass(kw_only=True)
 class EpisodeRecord:
-    """``stop_reason``: answered | no_answer | budget:<name> | timeout | error | sandbox_violation |
-    output_limit | worker_died | static_check | harness_load | solved | failed (chess)."""
+    """``stop_reason``: answered | no_answer | answer_not_in_completion | budget:<name> | timeout |
+    error | sandbox_violation | output_limit | memory_limit | worker_died | static_check |
+    harness_load | solved | failed (chess). ``turns``: the longer of the longest conversation
+    (calls of one session) and the number of environment actions (tool calls)."""
 
     task_id: str
     domain: str
@@ -63,7 +65,7 @@ class EpisodeRecord:
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), ensure_ascii=False)
+        return json.dumps(self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EpisodeRecord:

@@ -101,28 +101,30 @@ def _no_new_privs() -> str:
         return "unavailable"
 
 
-def _set_limit(which: int, value: int) -> None:
+def _set_limit(which: int, value: int, headroom: int = 0) -> None:
     soft, hard = resource.getrlimit(which)
+    new_hard = value + headroom
     if hard != resource.RLIM_INFINITY:
-        value = min(value, hard)
-    resource.setrlimit(which, (value, value))
+        value, new_hard = min(value, hard), min(new_hard, hard)
+    resource.setrlimit(which, (value, new_hard))
 
 
 def enter(workdir: str, limits: Limits) -> dict[str, str]:
-    """Contain this process, except RLIMIT_NPROC (see ``forbid_new_processes``). Returns what applied."""
+    """Contain this process, except RLIMIT_NPROC (``forbid_new_processes``); report what applied."""
     report = {"network": _leave_network()}
     os.chdir(workdir)
     report["privileges"] = _drop_privileges(workdir)
     report["no_new_privs"] = _no_new_privs()
     _set_limit(resource.RLIMIT_CORE, 0)
-    for name, which, value in (
-        ("memory", resource.RLIMIT_AS, limits.memory_bytes),
-        ("cpu", resource.RLIMIT_CPU, limits.cpu_s),
-        ("open_files", resource.RLIMIT_NOFILE, limits.open_files),
-        ("file_size", resource.RLIMIT_FSIZE, limits.file_bytes),
+    # The CPU soft limit sends SIGXCPU (a recognisable death); the hard one a second later SIGKILL.
+    for name, which, value, headroom in (
+        ("memory", resource.RLIMIT_AS, limits.memory_bytes, 0),
+        ("cpu", resource.RLIMIT_CPU, limits.cpu_s, 1),
+        ("open_files", resource.RLIMIT_NOFILE, limits.open_files, 0),
+        ("file_size", resource.RLIMIT_FSIZE, limits.file_bytes, 0),
     ):
         try:
-            _set_limit(which, value)
+            _set_limit(which, value, headroom)
             report[name] = str(value)
         except (ValueError, OSError) as e:
             report[name] = f"not set: {e}"
@@ -197,6 +199,12 @@ def install_audit_hook(workdir: str, on_violation: Callable[[str], None] | None 
     sys.addaudithook(hook)
 
 
+_PREIMPORT = (
+    "math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "random",
+    "statistics", "re", "json", "heapq", "bisect", "string", "operator", "traceback",
+)  # fmt: skip
+
+
 def pyexec_main() -> None:
     """Entry of the math tool's short-lived process: argv = [workdir, limits-json]. Runs workdir's
     code.py with stdout/stderr already redirected to files by the parent; exit code 0 = ran."""
@@ -207,6 +215,12 @@ def pyexec_main() -> None:
     limits = Limits(**json.loads(limits_json))
     with open(os.path.join(workdir, "code.py"), encoding="utf-8") as f:
         source = f.read()
+    # Import before privileges drop: the interpreter's own files may be unreadable to nobody.
+    for name in _PREIMPORT + tuple(n for n in ("numpy", "sympy") if n in source):
+        try:
+            __import__(name)
+        except ImportError:
+            pass
     enter(workdir, limits)
     forbid_new_processes()
     install_audit_hook(workdir)

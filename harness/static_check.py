@@ -214,9 +214,7 @@ def check_source(
         checker.visit(tree)
     except RecursionError:
         return [Violation(0, "source nests too deeply")]
-    defined = {
-        n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-    }
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     for name in required:
         if name not in defined:
             checker.violations.append(Violation(0, f"required function {name!r} is not defined"))

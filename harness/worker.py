@@ -158,6 +158,7 @@ class _Worker:
         self.init = init
         self.output_cap = int(init["limits"]["output_bytes"])
         self.tool_names = list(init.get("tools", []))
+        self.max_request = int(init["max_frame_bytes"]) // 2
         self.episodes: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self.by_thread: dict[int, _Episode] = {}
         self.pending: dict[int, _Slot] = {}
@@ -180,10 +181,10 @@ class _Worker:
         msg["ep"] = ep.key
         msg["rid"] = rid
         try:
-            self.chan.send(msg)
+            self.chan.send(msg, max_bytes=self.max_request)
         except (TypeError, ValueError) as e:
             self.pending.pop(rid, None)
-            raise TypeError(f"request is not JSON-serialisable: {e}") from None
+            raise ValueError(f"request refused: {e}") from None
         slot.event.wait()
         reply = slot.value
         if reply.get("ok"):
@@ -209,11 +210,24 @@ class _Worker:
                 if answer is not None and not isinstance(answer, str):
                     kind, error = "exception", f"run() returned {type(answer).__name__}, not str"
                     answer = None
+                elif answer is not None and len(answer) > self.max_request:
+                    kind, error, answer = (
+                        "output_limit",
+                        f"answer of {len(answer)} characters",
+                        None,
+                    )
+            except MemoryError:  # no traceback: the frames it holds keep the memory in use
+                kind, error = "memory", "MemoryError: over the worker's memory limit"
             except OutputLimit:
                 kind = "output_limit"
+            except BudgetExceeded as e:
+                kind, error = "budget", str(e)
             except BaseException as e:  # the harness's failure, never the worker's
                 kind = "exception"
-                error = "".join(traceback.format_exception(e, limit=-6))[-4000:]
+                try:
+                    error = "".join(traceback.format_exception(e, limit=-6))[-4000:]
+                except BaseException:
+                    error = f"{type(e).__name__} (traceback unavailable)"
             if ep.violation is not None:
                 kind, error = "violation", ep.violation
             elif ep.output_over:
@@ -226,7 +240,7 @@ class _Worker:
                     "kind": kind,
                     "error": error,
                     "answer": answer if kind == "ok" else None,
-                    "output": "".join(ep.out)[-self.output_cap :],
+                    "output": "".join(ep.out)[-self.output_cap :][: self.max_request // 2],
                 }
             )
 

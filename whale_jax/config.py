@@ -141,8 +141,11 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type == "qwen3_5" and "text_config" in hf:
             text = dict(hf["text_config"])
-            for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id"):
-                if key not in text and key in hf:
+            # The LM head belongs to the outer (conditional-generation) model: its flag decides.
+            if "tie_word_embeddings" in hf:
+                text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+            for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+                if text.get(key) is None and key in hf:
                     text[key] = hf[key]
             return cls.from_hf(text, source=f"{source}:text_config")
         if model_type not in _QWEN3_5_TYPES | _DENSE_TYPES:

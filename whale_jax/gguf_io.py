@@ -243,9 +243,7 @@ class _Cursor:
         return scalar.item()
 
 
-def _parse_header(
-    buffer: Any, path: pathlib.Path
-) -> tuple[dict[str, Any], list[_TensorInfo], int]:
+def _parse_header(buffer: Any, path: pathlib.Path) -> tuple[dict[str, Any], list[_TensorInfo], int]:
     """(metadata, tensor infos, absolute offset of the data section)."""
     cur = _Cursor(buffer, path)
     if cur.size < 4 or bytes(buffer[:4]) != _GGUF_MAGIC:
@@ -308,7 +306,9 @@ def _dequantize(
     try:
         qtype = GGMLQuantizationType(info.ggml_type)
     except ValueError:
-        raise ValueError(f"{path}: tensor {info.name!r} has unknown ggml type {info.ggml_type}")
+        raise ValueError(
+            f"{path}: tensor {info.name!r} has unknown ggml type {info.ggml_type}"
+        ) from None
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     row = info.shape[-1] if info.shape else 1
     if row % block_size:
@@ -330,8 +330,9 @@ def _dequantize(
             f"{path}: tensor {info.name!r} is stored as {qtype.name}, which gguf cannot dequantise"
         ) from err
     values = np.asarray(values, dtype=np.float32).reshape(info.shape)
-    if not values.flags.owndata or not values.flags.writeable:
-        values = values.copy()  # never hand out a view of the mapped file
+    if not values.flags.writeable:
+        # A view of the (read-only) mapped file, as for F32: copy, so the map can be closed.
+        values = values.copy()
     return values, qtype.name
 
 

@@ -79,8 +79,10 @@ def chunked_gated_delta_rule(
     state_BHKV: Array | None = None,
     *,
     chunk_size: int = 64,
+    remat: bool = True,
 ) -> tuple[Array, Array]:
-    """Chunked form (see the module docstring). Same contract as the recurrent form."""
+    """Chunked form (see the module docstring). Same contract as the recurrent form. ``remat``
+    recomputes each chunk's intermediates in the backward pass instead of storing them."""
     out_dtype = v_BTHV.dtype
     B, T, _, K = k_BTHK.shape
     H, V = v_BTHV.shape[2:]
@@ -103,7 +105,6 @@ def chunked_gated_delta_rule(
     lower_incl = jnp.tril(jnp.ones((C, C), bool))
     lower_strict = jnp.tril(jnp.ones((C, C), bool), -1)
 
-    @jax.checkpoint
     def chunk(S_BHKV, xs):
         q_BHCK, k_BHCK, v_BHCV, g_BHC, beta_BHC = xs
         G_BHC = jnp.cumsum(g_BHC, axis=-1)
@@ -127,7 +128,7 @@ def chunked_gated_delta_rule(
         )
         return S_BHKV, out_BHCV
 
-    S, out_NBHCV = jax.lax.scan(chunk, S, (q, k, v, g, beta))
+    S, out_NBHCV = jax.lax.scan(jax.checkpoint(chunk) if remat else chunk, S, (q, k, v, g, beta))
     out_BTHV = jnp.moveaxis(out_NBHCV, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
     return out_BTHV.astype(out_dtype), S
 

@@ -191,3 +191,39 @@ class Transformer(nnx.Module):
         """Runs right-padded prompts into a fresh cache of ``max_len`` positions."""
         cache = self.init_cache(tokens_BT.shape[0], max_len)
         return self.extend(cache, tokens_BT, lengths_B, last_only=last_only)
+
+
+class Jitted:
+    """Compiled entry points over a model's parameters as they are now (``nnx.split`` once, merged
+    inside each jitted function). Rebuild after the parameters change."""
+
+    def __init__(self, model: Transformer):
+        self.graphdef, self.state = nnx.split(model)
+        graphdef = self.graphdef
+
+        @jax.jit
+        def forward(state, tokens_BT, valid_BT):
+            return nnx.merge(graphdef, state)(tokens_BT, valid_BT)
+
+        @jax.jit(static_argnames=("last_only",), donate_argnums=(1,))
+        def extend(state, cache, tokens_BT, n_new_B, last_only=False):
+            return nnx.merge(graphdef, state).extend(cache, tokens_BT, n_new_B, last_only=last_only)
+
+        self._forward, self._extend = forward, extend
+        self.model = model
+
+    def __call__(self, tokens_BT, valid_BT=None) -> Array:
+        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        if valid_BT is None:
+            valid_BT = jnp.ones(tokens_BT.shape, bool)
+        return self._forward(self.state, tokens_BT, jnp.asarray(valid_BT, bool))
+
+    def extend(self, cache, tokens_BT, n_new_B, *, last_only=False):
+        """Like ``Transformer.extend``; the cache passed in is donated (do not reuse it)."""
+        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        n_new_B = jnp.asarray(n_new_B, jnp.int32)
+        return self._extend(self.state, cache, tokens_BT, n_new_B, last_only=last_only)
+
+    def prefill(self, tokens_BT, lengths_B, *, max_len: int, last_only=False):
+        cache = self.model.init_cache(jnp.asarray(tokens_BT).shape[0], max_len)
+        return self.extend(cache, tokens_BT, lengths_B, last_only=last_only)

@@ -1,0 +1,658 @@
+"""Foundation benchmark: our JAX forward passes beside transformers' PyTorch ones, same run, same CPU.
+
+Measures, in fp32 on the local CPU:
+
+1. the chunked gated delta rule (Qwen3.5's Gated DeltaNet mixer) at Qwen3.5-0.8B/2B per-layer head
+   shapes: ``whale_jax.models.gated_delta.chunked_gated_delta_rule`` under ``jax.jit`` against
+   transformers' ``torch_chunk_gated_delta_rule`` on the same inputs (outputs and final states are
+   compared), plus prototype variants of our kernel (defined below, checked against the reference)
+   and, in the full run, the backward pass;
+2. full-model prefill (logits for every position) on a small Qwen3.5 hybrid and a small dense Llama,
+   both built from one HF config dict with the same weights: transformers builds the torch model,
+   ``save_pretrained`` writes it, ``whale_jax.load_model`` reads it back;
+3. XLA's and PyTorch's fp32 matmul rate, as context for the rest.
+
+Timing: every case is warmed up (JAX: the first call compiles, reported separately), then the cases
+of one comparison run round-robin, alternating order each repeat, so ours and the peer see the same
+background load; we report the median (and the best) wall time and the 1-minute load average. The
+machine may be shared: read speedups from the same run, not across runs.
+
+Run:  .venv/bin/python benchmarks/bench_model.py            (full, a few minutes)
+      .venv/bin/python benchmarks/bench_model.py --quick    (about a minute)
+Writes benchmarks/results/model.json (``--out`` to change; ``--no-save`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+# Import the working tree's whale_jax, however (or whether) the package is installed.
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RESULTS = REPO / "benchmarks" / "results" / "model.json"
+
+# Qwen3.5-0.8B's text config (and, as far as we could check, 2B's): 16 key heads, 16 value heads,
+# key/value head dim 128 per Gated DeltaNet layer. The default Qwen3_5TextConfig (9B-sized) has
+# 32 value heads sharing 16 key heads, benchmarked as the grouped case.
+GDN_SHAPE = {"Hk": 16, "Hv": 16, "K": 128, "V": 128}
+GDN_GROUPED = {"Hk": 16, "Hv": 32, "K": 128, "V": 128}
+CHUNK = 64
+
+# Small models for the prefill comparison, sized so the whole program fits in minutes on two
+# shared cores. Qwen3.5: the real 3:1 linear:full pattern, heads scaled with the width (2B: hidden
+# 2048, 16 GDN heads of 128, 8 attention heads of 256 sharing 2 kv heads; here hidden 256, 2 GDN
+# heads of 128 (the real head dims), 2 attention heads of 128 sharing one kv head).
+QWEN3_5_SMALL = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 16384,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 8,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+}
+LLAMA_SMALL = {
+    "model_type": "llama",
+    "vocab_size": 16384,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+}
+MODELS = {"qwen3_5_small": QWEN3_5_SMALL, "llama_small": LLAMA_SMALL}
+TORCH_ATTN = "sdpa"
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def _stats(times: list[float], cpu: list[float]) -> dict:
+    return {
+        "median_s": float(np.median(times)),
+        "min_s": float(np.min(times)),
+        "cpu_median_s": float(np.median(cpu)),
+        "times_s": [round(t, 5) for t in times],
+    }
+
+
+def time_cases(cases: dict[str, Callable[[], object]], repeats: int, warm=None):
+    """Warm up every case, then time them round-robin (order reversed every other repeat).
+
+    Each callable must finish its work before returning (block_until_ready for JAX). ``warm``
+    maps a case to what to run instead of one call of the case itself as its warm-up (e.g. an
+    ahead-of-time compile). Returns ({name: stats}, {name: last output}, {name: warm-up seconds},
+    mean 1-minute load average while timing).
+    """
+    warm = warm or {}
+    first, last = {}, {}
+    for name, fn in cases.items():
+        t0 = time.perf_counter()
+        out = warm.get(name, fn)()
+        first[name] = time.perf_counter() - t0
+        if name not in warm:
+            last[name] = out
+    times = {name: [] for name in cases}
+    cpu = {name: [] for name in cases}
+    loads = [_load()]
+    names = list(cases)
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            c0, t0 = time.process_time(), time.perf_counter()
+            last[name] = cases[name]()
+            times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+        loads.append(_load())
+    stats = {name: _stats(times[name], cpu[name]) for name in names}
+    return stats, last, first, float(np.mean(loads))
+
+
+# ------------------------------------------------------------------------------------------------
+# machine
+
+
+def machine_info() -> dict:
+    import jax
+    import torch
+    import transformers
+
+    cpu_model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import flax
+
+        flax_version = flax.__version__
+    except Exception:  # pragma: no cover
+        flax_version = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "flax": flax_version,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "numpy": np.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "load_avg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. matmul context
+
+
+def bench_matmul(n: int, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+    ja, jb = jnp.asarray(a), jnp.asarray(b)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    mm = jax.jit(jnp.matmul)
+    stats, _, _, load = time_cases(
+        {"xla": lambda: mm(ja, jb).block_until_ready(), "torch": lambda: ta @ tb}, repeats
+    )
+    flops = 2.0 * n**3
+    out = {"n": n, "load_1m": load}
+    for name, s in stats.items():
+        out[name] = {
+            "gflops_median": flops / s["median_s"] / 1e9,
+            "gflops_best": flops / s["min_s"] / 1e9,
+            **s,
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. gated delta rule: prototype variants of our kernel
+#
+# Same math as whale_jax.models.gated_delta.chunked_gated_delta_rule (see its docstring), but all
+# chunk-local work (decays, the (I + A) solve, Q K^T) runs batched over every chunk *before* the
+# scan, as transformers does; the scan then only carries the state through four matmuls per chunk.
+# The block solve replaces solve_triangular by forward substitution over b x b diagonal blocks
+# whose inverses come from repeated squaring: for strictly lower (nilpotent) A,
+# (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...  (log2 b matmuls).
+
+
+def _expand_heads(x, num_value_heads):
+    import jax.numpy as jnp
+
+    rep = num_value_heads // x.shape[2]
+    return x if rep == 1 else jnp.repeat(x, rep, axis=2)
+
+
+def _unit_lower_inverse(A, size):
+    """(I + A)^-1 for strictly lower-triangular A [..., size, size], by repeated squaring."""
+    import jax.numpy as jnp
+
+    power = -A
+    inv = jnp.eye(size, dtype=A.dtype) + power
+    n = 2
+    while n < size:
+        power = power @ power
+        inv = inv + inv @ power
+        n *= 2
+    return inv
+
+
+def _block_solve(A, rhs, block):
+    """Solves (I + A) X = rhs, A strictly lower [..., C, C], by block forward substitution."""
+    import jax.numpy as jnp
+
+    C = A.shape[-1]
+    b = min(block, C)
+    assert C % b == 0, (C, b)
+    xs = []
+    for i in range(C // b):
+        lo, hi = i * b, (i + 1) * b
+        r = rhs[..., lo:hi, :]
+        if i:
+            r = r - A[..., lo:hi, :lo] @ jnp.concatenate(xs, axis=-2)
+        xs.append(_unit_lower_inverse(A[..., lo:hi, lo:hi], b) @ r)
+    return jnp.concatenate(xs, axis=-2)
+
+
+def gdn_hoisted(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, *, chunk_size=64,
+                solver="trsm", block=32):
+    """Prototype: chunked gated delta rule with the chunk-local work hoisted out of the scan."""
+    import jax
+    import jax.numpy as jnp
+
+    f32 = jnp.float32
+    out_dtype = v_BTHV.dtype
+    B, T, _, K = k_BTHK.shape
+    H, V = v_BTHV.shape[2:]
+    C = min(chunk_size, T)
+    pad = (-T) % C
+    N = (T + pad) // C
+
+    def chunks(x, scale=1.0):  # [B, T, H, ...] -> [N, B, H, C, ...]
+        x = x.astype(f32) * scale
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(B, N, C, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+    q = chunks(_expand_heads(q_BTHK, H), K**-0.5)
+    k = chunks(_expand_heads(k_BTHK, H))
+    v, g, beta = chunks(v_BTHV), chunks(g_BTH), chunks(beta_BTH)
+    S = jnp.zeros((B, H, K, V), f32) if state_BHKV is None else state_BHKV.astype(f32)
+    lower_incl = jnp.tril(jnp.ones((C, C), bool))
+    lower_strict = jnp.tril(jnp.ones((C, C), bool), -1)
+
+    G = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
+    decay = jnp.exp(jnp.where(lower_incl, G[..., :, None] - G[..., None, :], -jnp.inf))
+    kk = jnp.einsum("nbhik,nbhjk->nbhij", k, k)
+    A = jnp.where(lower_strict, beta[..., :, None] * kk * decay, 0.0)
+    eG = jnp.exp(G)
+    rhs = jnp.concatenate([v * beta[..., None], k * (beta * eG)[..., None]], -1)
+    if solver == "trsm":
+        solved = jax.scipy.linalg.solve_triangular(A, rhs, lower=True, unit_diagonal=True)
+    elif solver == "block":
+        solved = _block_solve(A, rhs, block)
+    else:
+        raise ValueError(solver)
+    U, W = solved[..., :V], solved[..., V:]
+    attn = jnp.einsum("nbhik,nbhjk->nbhij", q, k) * decay
+    q_dec = q * eG[..., None]
+    G_last = G[..., -1]
+    k_to_end = k * jnp.exp(G_last[..., None] - G)[..., None]
+    chunk_decay = jnp.exp(G_last)[..., None, None]
+
+    def step(S_BHKV, xs):
+        U_BHCV, W_BHCK, q_BHCK, attn_BHCC, k_BHCK, dec_BH11 = xs
+        v_new = U_BHCV - jnp.einsum("bhck,bhkv->bhcv", W_BHCK, S_BHKV)
+        out = jnp.einsum("bhck,bhkv->bhcv", q_BHCK, S_BHKV)
+        out = out + jnp.einsum("bhij,bhjv->bhiv", attn_BHCC, v_new)
+        S_BHKV = dec_BH11 * S_BHKV + jnp.einsum("bhck,bhcv->bhkv", k_BHCK, v_new)
+        return S_BHKV, out
+
+    S, out_NBHCV = jax.lax.scan(step, S, (U, W, q_dec, attn, k_to_end, chunk_decay))
+    out_BTHV = jnp.moveaxis(out_NBHCV, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
+    return out_BTHV.astype(out_dtype), S
+
+
+VARIANTS = {
+    "hoisted_trsm": dict(solver="trsm"),
+    "hoisted_block16": dict(solver="block", block=16),
+    "hoisted_block32": dict(solver="block", block=32),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. gated delta rule: ours vs transformers
+
+
+def gdn_inputs(B, T, Hk, Hv, K, V, seed=0):
+    """Realistic inputs: l2-normalised q, k; g from Qwen3.5's -exp(A_log) * softplus(a + dt)."""
+    rng = np.random.default_rng(seed)
+
+    def l2(x):
+        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+    q = l2(rng.standard_normal((B, T, Hk, K))).astype(np.float32)
+    k = l2(rng.standard_normal((B, T, Hk, K))).astype(np.float32)
+    v = rng.standard_normal((B, T, Hv, V)).astype(np.float32)
+    A = np.exp(rng.uniform(np.log(0.05), np.log(16.0), Hv))  # slow and fast heads
+    a = rng.standard_normal((B, T, Hv)) - 2.0
+    g = (-A * np.log1p(np.exp(a))).astype(np.float32)
+    beta = (1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, Hv))))).astype(np.float32)
+    return q, k, v, g, beta
+
+
+def _torch_gdn():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    return m.torch_chunk_gated_delta_rule
+
+
+def _compiled_case(fn, args):
+    """(case, warm-up) for a jitted JAX function: the warm-up compiles ahead of time."""
+    import jax
+
+    jitted = jax.jit(fn)
+    holder = {}
+
+    def warm():
+        holder["f"] = jitted.lower(*args).compile()
+
+    def case():
+        return jax.block_until_ready(holder["f"](*args))
+
+    return case, warm
+
+
+def bench_gdn(T, shape, repeats, variants, backward=False, B=1) -> dict:
+    import jax.numpy as jnp
+    import torch
+
+    from whale_jax.models.gated_delta import chunked_gated_delta_rule
+
+    torch_fn = _torch_gdn()
+    arrays = gdn_inputs(B, T, shape["Hk"], shape["Hv"], shape["K"], shape["V"])
+    jargs = [jnp.asarray(x) for x in arrays]
+    targs = [torch.from_numpy(x) for x in arrays]
+
+    def run_torch(xs=targs):
+        with torch.no_grad():
+            return torch_fn(*xs, chunk_size=CHUNK, output_final_state=True,
+                            use_qk_l2norm_in_kernel=False)
+
+    cases, warm = {}, {}
+    ours = functools.partial(chunked_gated_delta_rule, chunk_size=CHUNK)
+    cases["ours"], warm["ours"] = _compiled_case(ours, jargs)
+    cases["torch"] = run_torch
+    warm["torch"] = lambda: run_torch([t[:, : 4 * CHUNK] for t in targs])
+    for name in variants:
+        fn = functools.partial(gdn_hoisted, chunk_size=CHUNK, **VARIANTS[name])
+        cases[name], warm[name] = _compiled_case(fn, jargs)
+    stats, last, first, load = time_cases(cases, repeats, warm)
+
+    ref_out, ref_state = (t.numpy() for t in last["torch"])
+    scale = float(np.abs(ref_out).max())
+    result = {"B": B, "T": T, **shape, "chunk_size": CHUNK, "load_1m": load, "cases": {}}
+    for name, s in stats.items():
+        entry = {**s, "tokens_per_s": B * T / s["median_s"]}
+        if name != "torch":
+            out, state = (np.asarray(x) for x in last[name])
+            entry["compile_s"] = first[name]
+            entry["max_abs_diff_out"] = float(np.abs(out - ref_out).max())
+            entry["max_abs_diff_state"] = float(np.abs(state - ref_state).max())
+            entry["rel_diff_out"] = entry["max_abs_diff_out"] / scale
+            entry["speedup_vs_torch"] = stats["torch"]["median_s"] / s["median_s"]
+        result["cases"][name] = entry
+    del last
+    if backward:
+        result["backward"] = bench_gdn_backward(jargs, targs, repeats, variants)
+    return result
+
+
+def bench_gdn_backward(jargs, targs, repeats, variants) -> dict:
+    """Forward + backward of sum(out): jax.grad w.r.t. all five inputs vs torch autograd."""
+    import jax
+    import jax.numpy as jnp
+
+    from whale_jax.models.gated_delta import chunked_gated_delta_rule
+
+    torch_fn = _torch_gdn()
+
+    def grad_of(fn):
+        return jax.grad(lambda *a: jnp.sum(fn(*a)[0]), argnums=(0, 1, 2, 3, 4))
+
+    def torch_case(xs=targs):
+        xs = [t.clone().requires_grad_(True) for t in xs]
+        out, _ = torch_fn(*xs, chunk_size=CHUNK, output_final_state=True,
+                          use_qk_l2norm_in_kernel=False)
+        out.sum().backward()
+        return [x.grad for x in xs]
+
+    cases, warm = {}, {}
+    ours = functools.partial(chunked_gated_delta_rule, chunk_size=CHUNK)
+    cases["ours"], warm["ours"] = _compiled_case(grad_of(ours), jargs)
+    cases["torch"] = torch_case
+    warm["torch"] = lambda: torch_case([t[:, : 4 * CHUNK] for t in targs])
+    for name in variants:
+        fn = functools.partial(gdn_hoisted, chunk_size=CHUNK, **VARIANTS[name])
+        cases[name], warm[name] = _compiled_case(grad_of(fn), jargs)
+    stats, last, first, load = time_cases(cases, repeats, warm)
+    ref = [t.numpy() for t in last["torch"]]
+    out = {"load_1m": load, "cases": {}}
+    for name, s in stats.items():
+        entry = dict(s)
+        if name != "torch":
+            grads = [np.asarray(x) for x in last[name]]
+            entry["compile_s"] = first[name]
+            entry["max_rel_diff_grads"] = max(
+                float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) for a, b in zip(grads, ref)
+            )
+            entry["speedup_vs_torch"] = stats["torch"]["median_s"] / s["median_s"]
+        out["cases"][name] = entry
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. full-model prefill
+
+
+def build_pair(hf_config: dict, seed: int, tmp: Path):
+    """(torch model, our jitted forward, info): same config dict, same weights."""
+    import jax
+    import torch
+    import transformers
+    from flax import nnx
+
+    import whale_jax
+
+    cfg = dict(hf_config)
+    model_type = cfg.pop("model_type")
+    config = transformers.CONFIG_MAPPING[model_type](**json.loads(json.dumps(cfg)))
+    config._attn_implementation = TORCH_ATTN
+    torch.manual_seed(seed)
+    model_cls = {"qwen3_5_text": transformers.Qwen3_5ForCausalLM,
+                 "llama": transformers.LlamaForCausalLM}[model_type]
+    tmodel = model_cls(config).to(torch.float32).eval()
+    # transformers' default init (std 0.02) leaves logits near zero; give every matrix a
+    # 1/sqrt(fan_in) scale so the agreement check sees signals of order one.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in tmodel.named_parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    tmodel.save_pretrained(tmp, safe_serialization=True)
+    loaded = whale_jax.load_model(tmp)
+    graphdef, state = nnx.split(loaded.model)
+
+    @jax.jit
+    def forward(state, tokens_BT):
+        return nnx.merge(graphdef, state)(tokens_BT)
+
+    info = {
+        "torch_attn_implementation": tmodel.config._attn_implementation,
+        "num_params": int(sum(p.numel() for p in tmodel.parameters())),
+    }
+    return tmodel, (forward, state), info
+
+
+def bench_model(name: str, hf_config: dict, shapes, repeats, seed=0) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmodel, (forward, state), info = build_pair(hf_config, seed, Path(tmp))
+    result = {"name": name, "config": hf_config, **info, "runs": []}
+    rng = np.random.default_rng(seed + 1)
+    warmed = []
+
+    def warm_torch():  # once per model, on a short input: torch has nothing to compile
+        if not warmed:
+            with torch.no_grad():
+                tmodel(input_ids=torch.zeros((1, 64), dtype=torch.int64), use_cache=False)
+            warmed.append(True)
+
+    for B, T in shapes:
+        tokens = rng.integers(0, hf_config["vocab_size"], (B, T), dtype=np.int32)
+        jt, tt = jnp.asarray(tokens), torch.from_numpy(tokens.astype(np.int64))
+
+        compiled = {}
+
+        def compile_ours():
+            compiled["f"] = forward.lower(state, jt).compile()
+
+        def ours():
+            return compiled["f"](state, jt).block_until_ready()
+
+        def peer():
+            with torch.no_grad():
+                return tmodel(input_ids=tt, use_cache=False).logits
+
+        stats, last, first, load = time_cases(
+            {"ours": ours, "torch": peer}, repeats, {"ours": compile_ours, "torch": warm_torch}
+        )
+        ref = last["torch"].numpy()
+        diff = float(np.abs(np.asarray(last["ours"]) - ref).max())
+        scale = float(np.abs(ref).max())
+        del last
+        gc.collect()
+        run = {"B": B, "T": T, "load_1m": load,
+               "max_abs_diff_logits": diff, "max_abs_logit": scale, "rel_diff_logits": diff / scale}
+        for case, s in stats.items():
+            run[case] = {**s, "tokens_per_s": B * T / s["median_s"]}
+        run["ours"]["compile_s"] = first["ours"]
+        run["speedup_vs_torch"] = stats["torch"]["median_s"] / stats["ours"]["median_s"]
+        result["runs"].append(run)
+        print(f"  {name:14s} B={B} T={T:5d}  ours {run['ours']['tokens_per_s']:8.0f} tok/s  "
+              f"torch {run['torch']['tokens_per_s']:8.0f} tok/s  x{run['speedup_vs_torch']:.2f}  "
+              f"rel diff {run['rel_diff_logits']:.1e}  load {load:.1f}", flush=True)
+    del tmodel, state
+    gc.collect()
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+def _ms(s):
+    return f"{s * 1e3:9.1f}"
+
+
+def print_gdn(r: dict) -> None:
+    head = f"gated delta rule fwd  B={r['B']} T={r['T']} Hk={r['Hk']} Hv={r['Hv']} K={r['K']} V={r['V']}"
+    print(f"\n{head}  (load {r['load_1m']:.1f})")
+    print(f"  {'case':18s} {'median ms':>9s} {'best ms':>9s} {'x torch':>8s} {'max|diff|':>9s}")
+    for name, c in r["cases"].items():
+        sp = f"{c['speedup_vs_torch']:8.2f}" if "speedup_vs_torch" in c else f"{'1.00':>8s}"
+        d = f"{c['max_abs_diff_out']:9.1e}" if "max_abs_diff_out" in c else f"{'ref':>9s}"
+        print(f"  {name:18s} {_ms(c['median_s'])} {_ms(c['min_s'])} {sp} {d}")
+    if "backward" in r:
+        print(f"  backward (grad of sum(out), all inputs)  (load {r['backward']['load_1m']:.1f})")
+        for name, c in r["backward"]["cases"].items():
+            sp = f"{c['speedup_vs_torch']:8.2f}" if "speedup_vs_torch" in c else f"{'1.00':>8s}"
+            d = f"{c['max_rel_diff_grads']:9.1e}" if "max_rel_diff_grads" in c else f"{'ref':>9s}"
+            print(f"  {name:18s} {_ms(c['median_s'])} {_ms(c['min_s'])} {sp} {d}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (about a minute)")
+    p.add_argument("--only", choices=["matmul", "gdn", "model"], action="append",
+                   help="run only these sections (repeatable)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per case")
+    p.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
+    p.add_argument("--no-save", action="store_true", help="print only, write no JSON")
+    args = p.parse_args(argv)
+    sections = set(args.only or ["matmul", "gdn", "model"])
+    quick = args.quick
+    reps = args.repeats or (3 if quick else 5)
+    model_reps = args.repeats or (2 if quick else 3)
+
+    t_start = time.perf_counter()
+    machine = machine_info()
+    print(f"{machine['cpu_model']}  {machine['cpu_count']} cores  jax {machine['jax']}  "
+          f"torch {machine['torch']} ({machine['torch_threads']} threads)  "
+          f"transformers {machine['transformers']}  load {machine['load_avg_start']}", flush=True)
+    results = {"machine": machine, "quick": quick, "repeats": reps, "model_repeats": model_reps,
+               "timing": "median wall time over round-robin repeats after one warm-up call"}
+
+    if "matmul" in sections:
+        mm = bench_matmul(2048, reps)
+        results["matmul"] = mm
+        print(f"\nfp32 matmul 2048^3: XLA {mm['xla']['gflops_median']:.1f} GFLOP/s "
+              f"(best {mm['xla']['gflops_best']:.1f}), torch {mm['torch']['gflops_median']:.1f} "
+              f"(best {mm['torch']['gflops_best']:.1f})  load {mm['load_1m']:.1f}", flush=True)
+
+    if "gdn" in sections:
+        gdn = []
+        plan = [(2048, GDN_SHAPE, list(VARIANTS), not quick)]
+        if not quick:
+            plan += [(512, GDN_SHAPE, list(VARIANTS), False),
+                     (8192, GDN_SHAPE, None, False),
+                     (2048, GDN_GROUPED, None, False)]
+        best = None
+        for T, shape, variants, backward in plan:
+            if variants is None:  # after T=2048: only the fastest prototype
+                variants = [best] if best else []
+            r = bench_gdn(T, shape, reps if T <= 2048 else max(2, reps - 2), variants, backward)
+            if best is None and variants:
+                best = min(variants, key=lambda n: r["cases"][n]["median_s"])
+                r["fastest_variant"] = best
+            gdn.append(r)
+            print_gdn(r)
+            sys.stdout.flush()
+        results["gdn"] = gdn
+
+    if "model" in sections:
+        shapes = [(1, 512), (1, 2048)] if quick else [(1, 512), (4, 512), (1, 2048), (4, 2048)]
+        print("\nprefill (logits for all positions), fp32", flush=True)
+        results["model"] = [bench_model(n, c, shapes, model_reps) for n, c in MODELS.items()]
+
+    results["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["total_s"] = time.perf_counter() - t_start
+    print(f"\ntotal {results['total_s']:.0f} s, load at end {results['machine']['load_avg_end']}")
+    if not args.no_save:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""``EngineClient``: the harness's ``ChatBackend`` on top of the rollout engine.
+
+``chat(request)`` turns chat messages into token ids (``whale_jax.chat``), runs them through the
+engine, and returns the visible text (thinking removed), the raw completion, the exact prompt and
+completion ids and the parsed tool calls. It is called from many threads at once; each call blocks
+on its own result while the engine batches them.
+
+A session (``request.session_id``) is one token sequence: when a call's messages extend the
+previous call's messages plus that call's reply, only the new messages are rendered (the template's
+delta) and appended to the sequence so far, and the engine continues from the parked decode state
+of the previous call instead of re-prefilling. Any other call starts a new row for the session.
+``training_row(session_id)`` gives the sequence and the mask over the model's sampled tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Any
+
+from harness.model_api import ChatRequest, ChatResult
+from harness.model_api import ToolCall as HarnessToolCall
+from whale_jax.chat import ChatFormat, Session, Tokenizer, format_for
+from whale_jax.engine.engine import Engine, EngineConfig
+from whale_jax.engine.requests import Request, Sampling
+from whale_jax.models.transformer import Transformer
+
+
+class EngineClient:
+    """Engine-backed chat backend.
+
+    ``EngineClient(model, tokenizer, slots=.., max_len=..)`` builds its own ``Engine``; pass
+    ``engine=`` to share one. ``chat_format`` defaults to the model family's format with the
+    tokenizer's chat template (Qwen3.5 for ``qwen3_5`` models, ChatML otherwise).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        slots: int = 8,
+        max_len: int = 2048,
+        chat_format: ChatFormat | None = None,
+        seed: int = 0,
+        engine: Engine | None = None,
+        max_sessions: int = 100_000,
+        **engine_options: Any,
+    ):
+        self.tokenizer = tokenizer
+        self.format = chat_format or format_for(model.cfg.family, tokenizer)
+        eot = self._token_id(self.format.end_of_turn)
+        eos = tuple(dict.fromkeys([*model.cfg.eos_token_ids, *([eot] if eot is not None else [])]))
+        self.engine = engine or Engine(
+            model,
+            EngineConfig(slots=slots, max_len=max_len, seed=seed, **engine_options),
+            eos_ids=eos,
+            detokenize=self.decode,
+        )
+        self._owns_engine = engine is None
+        self._stop_ids = frozenset(self.engine.eos_ids)
+        self._lock = threading.Lock()
+        self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
+        self._max_sessions = max_sessions
+
+    # -- tokenizer helpers -------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def _token_id(self, token: str) -> int | None:
+        ids = self.encode(token)
+        return ids[0] if len(ids) == 1 else None
+
+    # -- the backend protocol ----------------------------------------------------------------------
+    def chat(self, request: ChatRequest) -> ChatResult:
+        s = request.settings
+        messages = [dict(m) for m in request.messages]
+        with self._lock:
+            session = self._sessions.get(request.session_id)
+        continuing = session is not None and session.continues(messages)
+        try:
+            if continuing:
+                assert session is not None
+                delta = self.format.delta(
+                    messages[len(session.messages) :],
+                    ended_with_end_of_turn=session.ended_with_end_of_turn,
+                    enable_thinking=s.enable_thinking,
+                )
+                prompt = session.ids + self.encode(delta)
+            else:
+                if not messages:
+                    raise ValueError("no messages")
+                prompt = self.encode(self.format.render(messages, enable_thinking=s.enable_thinking))
+        except Exception as e:  # a template that cannot render these messages fails this call only
+            return ChatResult(text="", raw_text="", finish_reason="error", error=f"render: {e}")
+        if request.max_prompt_tokens is not None and len(prompt) > request.max_prompt_tokens:
+            return ChatResult(
+                text="",
+                raw_text="",
+                prompt_ids=tuple(prompt),
+                prompt_tokens=len(prompt),
+                finish_reason="prompt_too_long",
+                error=f"prompt of {len(prompt)} tokens is over the budget of "
+                f"{request.max_prompt_tokens}",
+            )
+        sampling = Sampling(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            max_new_tokens=s.max_new_tokens,
+            stop_strings=tuple(s.stop),
+        )
+        done = self.engine.submit(
+            Request(
+                prompt_ids=tuple(prompt),
+                sampling=sampling,
+                identity=request.rng.as_tuple(),
+                resume=request.session_id if continuing else None,
+                park=request.session_id,
+            )
+        ).result()
+        if done.error is not None:
+            return ChatResult(
+                text="",
+                raw_text="",
+                prompt_ids=tuple(prompt),
+                prompt_tokens=len(prompt),
+                finish_reason=done.finish_reason,
+                error=done.error,
+            )
+        ids = list(done.token_ids)
+        ended = bool(ids) and ids[-1] in self._stop_ids and done.stop_text_at is None
+        raw = self.decode(ids[:-1] if ended else ids)
+        if done.stop_text_at is not None:
+            raw = raw[: done.stop_text_at]
+        reply = self.format.parse(
+            raw, thinking_open=self.format.prompt_opens_thinking(s.enable_thinking)
+        )
+        new_session = Session(
+            ids=prompt + ids,
+            mask=(session.mask if continuing else [])  # type: ignore[union-attr]
+            + [False] * (len(prompt) - (len(session.ids) if continuing else 0))  # type: ignore[union-attr]
+            + [True] * len(ids),
+            messages=[*messages, {"role": "assistant", "content": reply.text}],
+            ended_with_end_of_turn=ended,
+            replies=(reply.text, raw),
+        )
+        with self._lock:
+            self._sessions[request.session_id] = new_session
+            self._sessions.move_to_end(request.session_id)
+            while len(self._sessions) > self._max_sessions:
+                old, _ = self._sessions.popitem(last=False)
+                self.engine.forget(old)
+        return ChatResult(
+            text=reply.text,
+            raw_text=raw,
+            prompt_ids=tuple(prompt),
+            completion_ids=tuple(ids),
+            finish_reason=done.finish_reason,
+            prompt_tokens=len(prompt),
+            completion_tokens=len(ids),
+            tool_calls=tuple(
+                HarnessToolCall(name=t.name, arguments=t.arguments) for t in reply.tool_calls
+            ),
+        )
+
+    # -- sessions ----------------------------------------------------------------------------------
+    def training_row(self, session_id: str) -> tuple[list[int], list[bool]]:
+        """The session's token sequence and the mask over model-sampled tokens (its latest row)."""
+        with self._lock:
+            s = self._sessions[session_id]
+            return list(s.ids), list(s.mask)
+
+    def end_session(self, session_id: str) -> None:
+        with self._lock:
+            self._sessions.pop(session_id, None)
+        self.engine.forget(session_id)
+
+    def session(self, session_id: str) -> Session | None:
+        with self._lock:
+            s = self._sessions.get(session_id)
+            return None if s is None else dataclasses.replace(s)
+
+    def close(self) -> None:
+        if self._owns_engine:
+            self.engine.close()

@@ -1,0 +1,287 @@
+"""The compiled half of the engine: JetStream's prefill -> insert -> generate over N decode slots.
+
+``DecodeState`` is everything the device keeps per slot: the model's ``DecodeCache`` (contiguous KV
+for full-attention layers, conv window + fp32 recurrent state for Gated DeltaNet layers, lengths),
+the logits the next token is drawn from, how many tokens the slot's request has sampled, its stop
+ids, token budget and sampling settings. Every function that changes it donates it.
+
+- ``prefill(tokens_PT, lengths_P)``: P fresh prompts (right-padded to a length bucket) into a small
+  cache of capacity T; returns their last-token logits and that cache (a ``Prefix``).
+- ``resume(rows_P, tokens_PT, n_new_P)``: continues P parked decode states by a few tokens each
+  (a session's next turn) without re-reading the earlier tokens.
+- ``insert(state, prefix, rows_M, slots_M, ...)``: copies prefix row ``rows_M[m]`` into slot
+  ``slots_M[m]``; one prefix row may fill several slots (n samples of one prompt, one prefill).
+- ``generate(state, occupied_B)``: up to ``steps`` tokens for every active slot inside one
+  ``while_loop``: draw from the held logits, then feed the drawn token to the model. A slot stops
+  on a stop id or its budget; the drawn stop token is not fed, so a finished slot's cache holds
+  the prompt and all sampled tokens but the last.
+- ``park(park_cache, state, slots_M, rows_M)``: copies finished slots' decode state into a
+  separate store, keyed by the host, so a session's next turn continues from it.
+
+Parameters are an argument of every call (never closed over), so new weights from the trainer are
+used by the next call without recompiling or a copy through the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from whale_jax.config import FULL
+from whale_jax.engine.sampling import SlotSampling, sample
+from whale_jax.models.transformer import DecodeCache, Transformer
+
+Array = jax.Array
+
+
+@struct.dataclass
+class DecodeState:
+    cache: DecodeCache
+    logits: Array  # [B, V] fp32: the distribution of each slot's next token
+    count: Array  # [B] int32: tokens sampled so far by the slot's request
+    max_new: Array  # [B] int32
+    active: Array  # [B] bool
+    stop_ids: Array  # [B, E] int32, -1 = unused
+    sampling: SlotSampling
+
+
+class Prefix(NamedTuple):
+    """Output of prefill/resume: per-row last-token logits and a decode cache (capacity T or S)."""
+
+    logits: Array  # [P, V]
+    cache: DecodeCache
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotInit:
+    """Host-side per-slot values for ``insert``; arrays of length M."""
+
+    rows: Any
+    slots: Any
+    max_new: Any
+    stop_ids: Any  # [M, E]
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    key: Any  # [M, 2] uint32
+
+
+def _is_kv(kinds: tuple[str, ...]) -> tuple[bool, ...]:
+    return tuple(kind == FULL for kind in kinds)
+
+
+def _copy_rows(dst: DecodeCache, src: DecodeCache, kv: tuple[bool, ...], src_rows, dst_rows):
+    """dst rows ``dst_rows`` <- src rows ``src_rows``; a shorter KV capacity fills the front only.
+    Indices past the end of dst are dropped (padding entries)."""
+    layers = []
+    for is_kv, (a_dst, b_dst), (a_src, b_src) in zip(kv, dst.layers, src.layers, strict=True):
+        pair = []
+        for d, s in ((a_dst, a_src), (b_dst, b_src)):
+            rows = s[:, src_rows]
+            if is_kv and rows.shape[2] != d.shape[2]:
+                pair.append(d.at[:, dst_rows, : rows.shape[2]].set(rows, mode="drop"))
+            else:
+                pair.append(d.at[:, dst_rows].set(rows.astype(d.dtype), mode="drop"))
+        layers.append(tuple(pair))
+    lengths = dst.lengths.at[dst_rows].set(src.lengths[src_rows], mode="drop")
+    return DecodeCache(lengths=lengths, layers=tuple(layers))
+
+
+def _gather_rows(src: DecodeCache, rows) -> DecodeCache:
+    layers = tuple(tuple(x[:, rows] for x in pair) for pair in src.layers)
+    return DecodeCache(lengths=src.lengths[rows], layers=layers)
+
+
+class DeviceEngine:
+    """Jitted prefill / resume / insert / generate / park for one model and a fixed slot count."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        slots: int,
+        max_len: int,
+        park_slots: int,
+        steps: int = 8,
+        max_top_k: int = 64,
+        max_stop_ids: int = 8,
+    ):
+        self.cfg = model.cfg
+        self.slots, self.max_len, self.park_slots = slots, max_len, park_slots
+        self.steps, self.max_top_k, self.max_stop_ids = steps, max_top_k, max_stop_ids
+        self.graphdef, self.params = nnx.split(model)
+        self._model_dtype = model.dtype
+        self.kv = _is_kv(self.cfg.layer_types[: self.cfg.period])
+        self.signatures: dict[str, set] = {}  # distinct compiled shapes per function
+        graphdef, kv = self.graphdef, self.kv
+        steps_, top_k_ = steps, max_top_k
+
+        def prefill(params, tokens_PT, lengths_P):
+            model = nnx.merge(graphdef, params)
+            logits, cache = model.prefill(
+                tokens_PT, lengths_P, max_len=tokens_PT.shape[1], last_only=True
+            )
+            return Prefix(logits, cache)
+
+        def resume(params, park, rows_P, tokens_PT, n_new_P):
+            model = nnx.merge(graphdef, params)
+            logits, cache = model.extend(
+                _gather_rows(park, rows_P), tokens_PT, n_new_P, last_only=True
+            )
+            return Prefix(logits, cache)
+
+        def insert(state: DecodeState, prefix: Prefix, init: dict):
+            rows, slots_M = init["rows"], init["slots"]
+            cache = _copy_rows(state.cache, prefix.cache, kv, rows, slots_M)
+            put = lambda x, v: x.at[slots_M].set(v, mode="drop")
+            sp = state.sampling
+            sampling = SlotSampling(
+                temperature=put(sp.temperature, init["temperature"]),
+                top_k=put(sp.top_k, init["top_k"]),
+                top_p=put(sp.top_p, init["top_p"]),
+                key=put(sp.key, init["key"]),
+            )
+            return DecodeState(
+                cache=cache,
+                logits=put(state.logits, prefix.logits[rows]),
+                count=put(state.count, jnp.zeros_like(slots_M)),
+                max_new=put(state.max_new, init["max_new"]),
+                active=put(state.active, jnp.ones(slots_M.shape, bool)),
+                stop_ids=put(state.stop_ids, init["stop_ids"]),
+                sampling=sampling,
+            )
+
+        def generate(params, state: DecodeState, occupied_B):
+            model = nnx.merge(graphdef, params)
+            B = occupied_B.shape[0]
+            out0 = jnp.full((B, steps_), -1, jnp.int32)
+            state = state.replace(active=state.active & occupied_B)
+
+            def cond(carry):
+                i, st, _ = carry
+                return (i < steps_) & jnp.any(st.active)
+
+            def body(carry):
+                i, st, out = carry
+                tok_B = sample(st.logits, st.sampling, st.count, max_top_k=top_k_)
+                act_B = st.active
+                out = out.at[:, i].set(jnp.where(act_B, tok_B, -1))
+                count = st.count + act_B.astype(jnp.int32)
+                hit_stop = jnp.any(tok_B[:, None] == st.stop_ids, axis=1)
+                still_B = act_B & ~hit_stop & (count < st.max_new)
+                logits, cache = model.extend(
+                    st.cache, tok_B[:, None], still_B.astype(jnp.int32), last_only=True
+                )
+                st = st.replace(cache=cache, logits=logits, count=count, active=still_B)
+                return i + 1, st, out
+
+            _, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out0))
+            return state, out
+
+        def park(park_cache, cache, slots_M, rows_M):
+            return _copy_rows(park_cache, cache, kv, slots_M, rows_M)
+
+        self._prefill = jax.jit(prefill)
+        self._resume = jax.jit(resume)
+        self._insert = jax.jit(insert, donate_argnums=0)
+        self._generate = jax.jit(generate, donate_argnums=1)
+        self._park = jax.jit(park, donate_argnums=0)
+        self.state = self.empty_state()
+        self.park_cache = self._init_cache(park_slots)
+
+    # -- state ---------------------------------------------------------------------------------
+    def _init_cache(self, rows: int) -> DecodeCache:
+        model = nnx.merge(self.graphdef, self.params)
+        return model.init_cache(rows, self.max_len)
+
+    def empty_state(self) -> DecodeState:
+        B = self.slots
+        return DecodeState(
+            cache=self._init_cache(B),
+            logits=jnp.zeros((B, self.cfg.vocab_size), jnp.float32),
+            count=jnp.zeros((B,), jnp.int32),
+            max_new=jnp.zeros((B,), jnp.int32),
+            active=jnp.zeros((B,), bool),
+            stop_ids=jnp.full((B, self.max_stop_ids), -1, jnp.int32),
+            sampling=SlotSampling.zeros(B),
+        )
+
+    def set_params(self, params) -> None:
+        """New weights (an ``nnx.State`` of the same structure, or a model); no recompile when the
+        shapes, dtypes and shardings match. Arrays already on device are used as they are."""
+        if isinstance(params, nnx.Module):
+            _, params = nnx.split(params)
+        self.params = params
+
+    def _note(self, name: str, *shapes) -> None:
+        self.signatures.setdefault(name, set()).add(shapes)
+
+    @property
+    def compile_counts(self) -> dict[str, int]:
+        return {k: len(v) for k, v in self.signatures.items()}
+
+    # -- the five steps --------------------------------------------------------------------------
+    def prefill(self, tokens_PT, lengths_P) -> Prefix:
+        self._note("prefill", tokens_PT.shape)
+        return self._prefill(self.params, tokens_PT, lengths_P)
+
+    def resume(self, rows_P, tokens_PT, n_new_P) -> Prefix:
+        self._note("resume", tokens_PT.shape)
+        return self._resume(self.params, self.park_cache, rows_P, tokens_PT, n_new_P)
+
+    def insert(self, prefix: Prefix, init: SlotInit) -> None:
+        self._note("insert", prefix.logits.shape[0], prefix.cache.layers[0][0].shape, len(init.rows))
+        arrays = {
+            "rows": jnp.asarray(init.rows, jnp.int32),
+            "slots": jnp.asarray(init.slots, jnp.int32),
+            "max_new": jnp.asarray(init.max_new, jnp.int32),
+            "stop_ids": jnp.asarray(init.stop_ids, jnp.int32),
+            "temperature": jnp.asarray(init.temperature, jnp.float32),
+            "top_k": jnp.asarray(init.top_k, jnp.int32),
+            "top_p": jnp.asarray(init.top_p, jnp.float32),
+            "key": jnp.asarray(init.key, jnp.uint32),
+        }
+        self.state = self._insert(self.state, prefix, arrays)
+
+    def generate(self, occupied_B) -> Array:
+        """Advances every occupied, active slot by up to ``steps`` tokens; returns [B, steps] ids
+        (-1 where a slot drew nothing)."""
+        self._note("generate", self.slots)
+        self.state, out = self._generate(self.params, self.state, jnp.asarray(occupied_B))
+        return out
+
+    def park(self, slots_M, rows_M) -> None:
+        self._note("park", len(slots_M))
+        self.park_cache = self._park(
+            self.park_cache,
+            self.state.cache,
+            jnp.asarray(slots_M, jnp.int32),
+            jnp.asarray(rows_M, jnp.int32),
+        )
+
+    # -- memory ----------------------------------------------------------------------------------
+    def slot_bytes(self) -> int:
+        return cache_bytes_per_slot(self.cfg, self.max_len, self._model_dtype)
+
+
+def cache_bytes_per_slot(cfg, max_len: int, dtype=jnp.float32) -> int:
+    """Decode-state bytes one slot holds: KV for every full-attention layer at ``max_len``, the
+    GDN conv window and fp32 state, and the held logits."""
+    item = jnp.dtype(dtype).itemsize
+    total = cfg.vocab_size * 4
+    for kind in cfg.layer_types:
+        if kind == FULL:
+            total += 2 * max_len * cfg.num_kv_heads * cfg.head_dim * item
+        else:
+            total += (cfg.linear_conv_kernel - 1) * cfg.gdn_conv_dim * item
+            total += (
+                cfg.linear_num_value_heads
+                * cfg.linear_key_head_dim
+                * cfg.linear_value_head_dim
+                * 4
+            )
+    return total

@@ -1,0 +1,413 @@
+"""Continuous batching: a queue of requests, N decode slots, one engine thread.
+
+Callers (any number of threads) ``submit`` a ``Request`` and block on their own future. The engine
+thread loops: finish what the last ``generate`` call produced (stop ids, budgets, stop strings),
+park finished session states, admit queued requests into the free slots (one prefill per distinct
+prompt, batched by length bucket; sessions continue from their parked state), then ``generate``
+up to ``steps`` tokens for all slots. A finished slot is refilled on the next iteration.
+
+Shapes are static: prompt lengths are padded to power-of-two buckets (at least ``min_bucket``, at
+most ``max_len``), prefill batches to powers of two up to ``prefill_batch``; ``compile_counts``
+says how many shapes each jitted function has seen.
+
+A bad request (empty prompt, prompt that does not fit, max_new_tokens <= 0, ids outside the
+vocabulary) completes at once with ``finish_reason`` "error" or "prompt_too_long"; nothing else
+notices it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import numpy as np
+
+from whale_jax.engine.device import DeviceEngine, Prefix, SlotInit
+from whale_jax.engine.requests import Completion, Request, RequestError
+from whale_jax.engine.sampling import request_key
+from whale_jax.models.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    slots: int = 8
+    max_len: int = 1024
+    steps: int = 8  # decode steps per jitted call
+    prefill_batch: int = 8  # most prompts prefilled by one call
+    min_bucket: int = 16
+    max_top_k: int = 64  # width of the exact top-k path (wider top-k falls back to a full sort)
+    max_stop_ids: int = 8
+    park_slots: int | None = None  # parked session states kept on device; default = slots
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class _Job:
+    request: Request
+    future: Future
+    prompt: tuple[int, ...]
+    max_new: int
+    stop_ids: tuple[int, ...]
+    key: np.ndarray
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    device_tokens: int = 0  # tokens the device sampled (may run past a stop-string cut)
+    reused: int = 0
+
+
+def _bucket(n: int, lo: int, hi: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return min(b, hi)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class Engine:
+    """The rollout engine. ``detokenize`` (ids -> text) is needed only for stop strings."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        config: EngineConfig = EngineConfig(),
+        *,
+        eos_ids: Sequence[int] | None = None,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
+    ):
+        self.config = c = config
+        self.cfg = model.cfg
+        self.eos_ids = tuple(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
+        self.detokenize = detokenize
+        park_slots = c.slots if c.park_slots is None else c.park_slots
+        self.device = DeviceEngine(
+            model,
+            slots=c.slots,
+            max_len=c.max_len,
+            park_slots=max(park_slots, 1),
+            steps=c.steps,
+            max_top_k=c.max_top_k,
+            max_stop_ids=c.max_stop_ids,
+        )
+        self._park_capacity = park_slots
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._running: list[_Job | None] = [None] * c.slots
+        self._parked: collections.OrderedDict[str, tuple[int, tuple[int, ...]]] = (
+            collections.OrderedDict()
+        )
+        self._free_park = list(range(park_slots))
+        self._pending_params = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.stats = collections.Counter()
+        self.timings = collections.defaultdict(float)
+
+    # -- public API ------------------------------------------------------------------------------
+    def submit(self, request: Request) -> Future:
+        """Queues a request; the future resolves to its ``Completion`` (never raises for a bad
+        request: the completion carries the error)."""
+        future: Future = Future()
+        try:
+            job = self._validate(request, future)
+        except RequestError as e:
+            future.set_result(Completion(token_ids=(), finish_reason=e.reason, error=str(e),
+                                         prompt_tokens=len(request.prompt_ids)))  # fmt: skip
+            return future
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            self._queue.append(job)
+            self._ensure_thread()
+            self._cv.notify_all()
+        return future
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        """Submits all requests and waits for all completions (in request order)."""
+        futures = [self.submit(r) for r in requests]
+        return [f.result() for f in futures]
+
+    def set_params(self, params) -> None:
+        """Uses new weights (an ``nnx.State`` or a model) from the next jitted call on. The arrays
+        are used where they are (device to device; pass them through ``jax.device_put`` with the
+        engine's shardings first when training's layout differs)."""
+        with self._cv:
+            self._pending_params = params
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def compile_counts(self) -> dict[str, int]:
+        return self.device.compile_counts
+
+    def forget(self, name: str) -> None:
+        """Drops a parked session state (the session is over)."""
+        with self._cv:
+            entry = self._parked.pop(name, None)
+            if entry is not None:
+                self._free_park.append(entry[0])
+
+    # -- validation ------------------------------------------------------------------------------
+    def _validate(self, request: Request, future: Future) -> _Job:
+        c, s = self.config, request.sampling
+        prompt = tuple(int(t) for t in request.prompt_ids)
+        if not prompt:
+            raise RequestError("empty prompt")
+        if s.max_new_tokens <= 0:
+            raise RequestError(f"max_new_tokens must be positive, got {s.max_new_tokens}")
+        if len(prompt) >= c.max_len:
+            raise RequestError(
+                f"prompt of {len(prompt)} tokens does not fit the context of {c.max_len} "
+                "(at least one new token must fit)",
+                reason="prompt_too_long",
+            )
+        if min(prompt) < 0 or max(prompt) >= self.cfg.vocab_size:
+            raise RequestError(f"prompt ids outside the vocabulary [0, {self.cfg.vocab_size})")
+        stop_ids = tuple(dict.fromkeys((*self.eos_ids, *s.stop_ids)))
+        if len(stop_ids) > c.max_stop_ids:
+            raise RequestError(f"at most {c.max_stop_ids} stop ids (EOS included)")
+        if s.stop_strings and self.detokenize is None:
+            raise RequestError("stop strings need an engine built with a detokenizer")
+        if not (s.top_p > 0.0 and s.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {s.top_p}")
+        max_new = min(s.max_new_tokens, c.max_len - len(prompt))
+        key = request_key(c.seed, request.identity)
+        return _Job(request, future, prompt, max_new, stop_ids, key)
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="whale-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closed or self._queue or self._pending_params is not None
+                           or any(self._running)):  # fmt: skip
+                    self._cv.wait()
+                if self._closed:
+                    self._fail_all("engine closed")
+                    return
+                params, self._pending_params = self._pending_params, None
+                free = [i for i, j in enumerate(self._running) if j is None]
+                admitted = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+            try:
+                if params is not None:
+                    self.device.set_params(params)
+                if admitted:
+                    self._admit(admitted, free)
+                if any(self._running):
+                    self._step()
+            except Exception as e:  # a device failure fails the requests in flight, not the engine
+                log.exception("engine step failed")
+                self._fail_running(f"engine failure: {e!r}")
+
+    def _finish(self, job: _Job, reason: str, *, stop_text_at: int | None = None) -> None:
+        self.stats["completions"] += 1
+        self.stats["generated_tokens"] += len(job.tokens)
+        job.future.set_result(
+            Completion(
+                token_ids=tuple(job.tokens),
+                finish_reason=reason,
+                prompt_tokens=len(job.prompt),
+                reused_tokens=job.reused,
+                stop_text_at=stop_text_at,
+            )
+        )
+
+    def _fail_running(self, message: str) -> None:
+        for i, job in enumerate(self._running):
+            if job is not None and not job.future.done():
+                job.future.set_result(
+                    Completion(token_ids=(), finish_reason="error", error=message,
+                               prompt_tokens=len(job.prompt))  # fmt: skip
+                )
+            self._running[i] = None
+        self.device.state = self.device.empty_state()
+
+    def _fail_all(self, message: str) -> None:
+        self._fail_running(message)
+        while self._queue:
+            job = self._queue.popleft()
+            job.future.set_result(Completion(token_ids=(), finish_reason="error", error=message))
+
+    # -- admission -------------------------------------------------------------------------------
+    def _admit(self, jobs: list[_Job], free: list[int]) -> None:
+        t0 = time.perf_counter()
+        fresh: dict[tuple[int, ...], list[_Job]] = {}
+        resumed: list[tuple[_Job, int, int]] = []  # (job, park row, parked length)
+        for job in jobs:
+            name = job.request.resume
+            entry = self._parked.get(name) if name is not None else None
+            if entry is not None:
+                row, ids = entry
+                if len(ids) < len(job.prompt) and job.prompt[: len(ids)] == ids:
+                    del self._parked[name]
+                    resumed.append((job, row, len(ids)))
+                    continue
+            fresh.setdefault(job.prompt, []).append(job)
+        slots = iter(free)
+        c = self.config
+        # Fresh prompts: one prefill per distinct prompt, batched within a length bucket.
+        prompts = sorted(fresh, key=len)
+        for start in range(0, len(prompts), c.prefill_batch):
+            group = prompts[start : start + c.prefill_batch]
+            T = _bucket(max(map(len, group)), c.min_bucket, c.max_len)
+            P = _pow2(len(group))
+            tokens = np.zeros((P, T), np.int32)
+            lengths = np.zeros((P,), np.int32)
+            for i, p in enumerate(group):
+                tokens[i, : len(p)] = p
+                lengths[i] = len(p)
+            prefix = self.device.prefill(tokens, lengths)
+            self.stats["prefills"] += len(group)
+            self.stats["prefill_tokens"] += int(lengths.sum())
+            pairs = [(i, job) for i, p in enumerate(group) for job in fresh[p]]
+            self._insert(prefix, pairs, slots)
+        # Sessions: continue parked states by their new tokens only.
+        for start in range(0, len(resumed), c.prefill_batch):
+            group = resumed[start : start + c.prefill_batch]
+            T = _bucket(max(len(j.prompt) - n for j, _, n in group), c.min_bucket, c.max_len)
+            P = _pow2(len(group))
+            tokens = np.zeros((P, T), np.int32)
+            n_new = np.zeros((P,), np.int32)
+            rows = np.zeros((P,), np.int32)
+            for i, (job, row, n) in enumerate(group):
+                delta = job.prompt[n:]
+                tokens[i, : len(delta)] = delta
+                n_new[i], rows[i] = len(delta), row
+                job.reused = n
+            prefix = self.device.resume(rows, tokens, n_new)
+            for _, row, _ in group:
+                self._free_park.append(row)
+            self.stats["resumes"] += len(group)
+            self.stats["resume_tokens"] += int(n_new.sum())
+            self.stats["reused_tokens"] += sum(n for _, _, n in group)
+            self._insert(prefix, [(i, job) for i, (job, _, _) in enumerate(group)], slots)
+        self.timings["admit_s"] += time.perf_counter() - t0
+
+    def _insert(self, prefix: Prefix, pairs: list[tuple[int, _Job]], slots) -> None:
+        M = _pow2(len(pairs))
+        E = self.config.max_stop_ids
+        B = self.config.slots
+        init = dict(
+            rows=np.zeros(M, np.int32),
+            slots=np.full(M, B, np.int32),  # padding entries point past the end: dropped
+            max_new=np.zeros(M, np.int32),
+            stop_ids=np.full((M, E), -1, np.int32),
+            temperature=np.zeros(M, np.float32),
+            top_k=np.zeros(M, np.int32),
+            top_p=np.ones(M, np.float32),
+            key=np.zeros((M, 2), np.uint32),
+        )
+        for m, (row, job) in enumerate(pairs):
+            s = job.request.sampling
+            slot = next(slots)
+            init["rows"][m], init["slots"][m] = row, slot
+            init["max_new"][m] = job.max_new
+            init["stop_ids"][m, : len(job.stop_ids)] = job.stop_ids
+            init["temperature"][m], init["top_k"][m], init["top_p"][m] = (
+                s.temperature, s.top_k, s.top_p,
+            )  # fmt: skip
+            init["key"][m] = job.key
+            self._running[slot] = job
+        self.device.insert(prefix, SlotInit(**init))
+
+    # -- decode ----------------------------------------------------------------------------------
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        occupied = np.array([j is not None for j in self._running])
+        out = np.asarray(self.device.generate(occupied))
+        t1 = time.perf_counter()
+        self.timings["generate_s"] += t1 - t0
+        self.stats["generate_calls"] += 1
+        to_park: list[tuple[int, int, str, tuple[int, ...]]] = []
+        for slot, job in enumerate(self._running):
+            if job is None:
+                continue
+            drawn = out[slot]
+            drawn = drawn[drawn >= 0].tolist()
+            self.stats["decode_slot_steps"] += len(drawn)
+            job.device_tokens += len(drawn)
+            job.tokens.extend(drawn)
+            reason, cut_at = None, None
+            if job.tokens and job.tokens[-1] in job.stop_ids:
+                reason = "stop"
+            elif len(job.tokens) >= job.max_new:
+                reason = "length"
+            if job.request.sampling.stop_strings:
+                cut = self._stop_string_cut(job)
+                if cut is not None:
+                    n_keep, cut_at = cut
+                    del job.tokens[n_keep:]
+                    reason = "stop"
+            if reason is None:
+                continue
+            self._running[slot] = None
+            if job.request.park is not None:
+                # The device fed every drawn token but the last; park only an exact state.
+                if job.device_tokens == len(job.tokens):
+                    row = self._park_row()
+                    if row is not None:
+                        to_park.append((slot, row, job.request.park, job.prompt + tuple(job.tokens[:-1])))
+            self._finish(job, reason, stop_text_at=cut_at)
+        if to_park:
+            M = _pow2(len(to_park))
+            slots = np.full(M, 0, np.int32)
+            rows = np.full(M, max(self._park_capacity, 1), np.int32)
+            for m, (slot, row, name, ids) in enumerate(to_park):
+                slots[m], rows[m] = slot, row
+                old = self._parked.pop(name, None)
+                if old is not None:
+                    self._free_park.append(old[0])
+                self._parked[name] = (row, ids)
+            self.device.park(slots, rows)
+        self.timings["host_s"] += time.perf_counter() - t1
+
+    def _park_row(self) -> int | None:
+        if self._park_capacity == 0:
+            return None
+        if not self._free_park:
+            _, (row, _) = self._parked.popitem(last=False)  # least recently parked
+            self._free_park.append(row)
+        return self._free_park.pop()
+
+    def _stop_string_cut(self, job: _Job) -> tuple[int, int] | None:
+        """(tokens to keep, character offset of the stop string) when a stop string appeared."""
+        assert self.detokenize is not None
+        text = self.detokenize(job.tokens)
+        hits = [(text.find(s), s) for s in job.request.sampling.stop_strings if s]
+        hits = [(at, s) for at, s in hits if at >= 0]
+        if not hits:
+            return None
+        at, s = min(hits)
+        # The fewest tokens whose text contains the whole stop string.
+        lo, hi = 1, len(job.tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if s in self.detokenize(job.tokens[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, at

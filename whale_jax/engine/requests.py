@@ -1,0 +1,68 @@
+"""What goes into the engine and what comes out: token-level requests and completions.
+
+Text, chat templates and sessions live above the engine (``whale_jax.chat``, ``whale_jax.client``);
+the engine sees token ids, sampling settings, an RNG identity and stop conditions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """``temperature <= 0`` is greedy; ``top_k <= 0`` disables top-k; ``top_p = 1`` disables top-p."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_ids: tuple[int, ...] = ()  # in addition to the engine's EOS ids
+    stop_strings: tuple[str, ...] = ()
+
+
+GREEDY = Sampling(temperature=0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Request:
+    """One completion of ``prompt_ids``.
+
+    ``identity`` is what the request *is* (e.g. step, task id, sample index, call index); with the
+    engine's seed it fixes the sampling RNG. ``resume`` names a decode state parked by an earlier
+    request (a session): when the parked tokens are a prefix of ``prompt_ids`` only the rest is
+    prefilled. ``park`` asks the engine to keep this request's final decode state under that name.
+    """
+
+    prompt_ids: tuple[int, ...]
+    sampling: Sampling = Sampling()
+    identity: tuple[Any, ...] = ()
+    resume: str | None = None
+    park: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Completion:
+    """``finish_reason``: stop (EOS / stop id / stop string), length (max_new_tokens or the context
+    is full), error (bad request; ``error`` says why; nothing was generated) or prompt_too_long.
+
+    ``token_ids`` are exactly the sampled ids, ending with the stop id when one was sampled and
+    ending with the token that completed a stop string; ``stop_text_at`` is then the character
+    offset of the stop string in the decoded completion, so text-level callers cut exactly there.
+    """
+
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens continued from a parked state instead of prefilled
+    stop_text_at: int | None = None
+    error: str | None = None
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; reported on that request's completion, never raised to others."""
+
+    def __init__(self, message: str, reason: str = "error"):
+        super().__init__(message)
+        self.reason = reason
