@@ -38,5 +38,8 @@ fixtures: $(TORCH_STAMP)
 bench: $(TORCH_STAMP)
 	$(PY) benchmarks/bench_model.py
 
+demo: $(STAMP)
+	$(PY) -m whale_jax.generate --model=smollm2 --prompt="What is the capital of France?"
+
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import functools
 import gc
 import json
@@ -107,6 +108,14 @@ TORCH_ATTN = "sdpa"
 # timing
 
 
+VERBOSE = False
+
+
+def _progress(msg: str) -> None:
+    if VERBOSE:
+        print(f"    [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
@@ -131,6 +140,7 @@ def time_cases(cases: dict[str, Callable[[], object]], repeats: int, warm=None):
     warm = warm or {}
     first, last = {}, {}
     for name, fn in cases.items():
+        _progress(f"warm {name}")
         t0 = time.perf_counter()
         out = warm.get(name, fn)()
         first[name] = time.perf_counter() - t0
@@ -142,6 +152,7 @@ def time_cases(cases: dict[str, Callable[[], object]], repeats: int, warm=None):
     names = list(cases)
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
+            _progress(f"run {name} #{r}")
             c0, t0 = time.process_time(), time.perf_counter()
             last[name] = cases[name]()
             times[name].append(time.perf_counter() - t0)
@@ -515,9 +526,11 @@ def bench_model(name: str, hf_config: dict, shapes, repeats, seed=0) -> dict:
     import jax.numpy as jnp
     import torch
 
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmodel, (forward, state), info = build_pair(hf_config, seed, Path(tmp))
-    result = {"name": name, "config": hf_config, **info, "runs": []}
+    result = {"name": name, "config": hf_config, **info, "build_s": time.perf_counter() - t0,
+              "runs": []}
     rng = np.random.default_rng(seed + 1)
     warmed = []
 
@@ -598,7 +611,18 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per case")
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
     p.add_argument("--no-save", action="store_true", help="print only, write no JSON")
+    p.add_argument("--verbose", action="store_true", help="log every warm-up and timed call")
+    p.add_argument("--watchdog", type=float, default=1800.0,
+                   help="dump all stacks and exit if the run takes longer (seconds; 0: never)")
     args = p.parse_args(argv)
+    global VERBOSE
+    VERBOSE = args.verbose
+    if hasattr(faulthandler, "register"):
+        import signal
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: stacks
+    if args.watchdog > 0:
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
     sections = set(args.only or ["matmul", "gdn", "model"])
     quick = args.quick
     reps = args.repeats or (3 if quick else 5)

@@ -31,7 +31,11 @@ def tiny_hf_config(**overrides) -> dict:
         linear_key_head_dim=8,
         linear_value_head_dim=8,
         layer_types=["linear_attention", "full_attention"] * 2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        },
     )
     cfg.update(overrides)
     return cfg

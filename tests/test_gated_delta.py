@@ -132,7 +132,10 @@ def test_left_padding_changes_nothing(model, tokens):
     ref = model(tokens)
     pads = [13, 0, 29]  # junk pad ids: anything leaking through would show
     padded = jnp.stack(
-        [jnp.concatenate([jnp.full((p,), 7, jnp.int32), tokens[b, : 90 - p]]) for b, p in enumerate(pads)]
+        [
+            jnp.concatenate([jnp.full((p,), 7, jnp.int32), tokens[b, : 90 - p]])
+            for b, p in enumerate(pads)
+        ]
     )
     valid = jnp.arange(90)[None] >= jnp.asarray(pads)[:, None]
     out = model(padded, valid)

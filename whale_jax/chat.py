@@ -1,4 +1,4 @@
-"""Chat formats and token-level sessions: messages -> token ids, completions -> visible text + tool calls.
+"""Chat formats and sessions: messages -> token ids, completions -> visible text and tool calls.
 
 A ``ChatFormat`` renders messages with a Jinja chat template (the checkpoint's, or one bundled here)
 and knows its family's conventions: the end-of-turn token, whether the generation prompt opens a
@@ -57,7 +57,10 @@ QWEN3_5_TEMPLATE = """\
 {{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
 {%- elif m.role == 'assistant' %}
 {%- set content = m.content %}
-{%- set reasoning = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content else '' %}
+{%- set reasoning = '' %}
+{%- if m.reasoning_content is defined and m.reasoning_content %}
+{%- set reasoning = m.reasoning_content %}
+{%- endif %}
 {%- if '</think>' in content %}
 {%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}
 {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
@@ -72,16 +75,22 @@ QWEN3_5_TEMPLATE = """\
 {%- set fn = call.function if call.function is defined else call %}
 {{- '\\n<tool_call>\\n<function=' + fn.name + '>\\n' }}
 {%- for key, value in fn.arguments.items() %}
-{{- '<parameter=' + key + '>\\n' }}{{- value if value is string else (value | tojson) }}{{- '\\n</parameter>\\n' }}
+{{- '<parameter=' + key + '>\\n' }}
+{{- value if value is string else (value | tojson) }}
+{{- '\\n</parameter>\\n' }}
 {%- endfor %}
 {{- '</function>\\n</tool_call>' }}
 {%- endfor %}
 {%- endif %}
 {{- '<|im_end|>\\n' }}
 {%- elif m.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+{{- '<|im_start|>user' }}
+{%- endif %}
 {{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+{{- '<|im_end|>\\n' }}
+{%- endif %}
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
@@ -157,7 +166,10 @@ class ChatFormat:
         for m in messages:
             m = dict(m)
             if self.tool_role_as_user and m.get("role") == "tool":
-                m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+                m = {
+                    "role": "user",
+                    "content": f"<tool_response>\n{m['content']}\n</tool_response>",
+                }
             out.append(m)
         return out
 
@@ -218,7 +230,9 @@ class ChatFormat:
         """Splits a completion into thinking and visible text, and parses its tool calls.
         ``thinking_open``: the prompt ended inside a ``<think>`` block."""
         thinking, text = "", raw
-        if "</think>" in raw:
+        if not self.thinks:
+            pass
+        elif "</think>" in raw:
             head, _, text = raw.rpartition("</think>")
             thinking = head.split("<think>", 1)[-1].strip("\n")
             text = text.lstrip("\n")
@@ -315,7 +329,7 @@ def format_for(family: str, tokenizer: Any = None) -> ChatFormat:
 
 @dataclasses.dataclass
 class Session:
-    """One conversation as one token sequence; ``mask[i]`` is True where the model sampled ids[i]."""
+    """One conversation as one token sequence; ``mask[i]``: the model sampled ``ids[i]``."""
 
     ids: list[int] = dataclasses.field(default_factory=list)
     mask: list[bool] = dataclasses.field(default_factory=list)
@@ -335,7 +349,9 @@ class Session:
         return last.get("role") == "assistant" and last.get("content") in self.replies
 
 
-def training_row(calls: Iterable[tuple[Sequence[int], Sequence[int]]]) -> tuple[list[int], list[bool]]:
+def training_row(
+    calls: Iterable[tuple[Sequence[int], Sequence[int]]],
+) -> tuple[list[int], list[bool]]:
     """One row (ids, sampled-token mask) from a session's calls in order, each (prompt_ids,
     completion_ids). Each call's prompt must start with the previous call's prompt + completion."""
     ids: list[int] = []

@@ -60,6 +60,7 @@ class EngineClient:
         )
         self._owns_engine = engine is None
         self._stop_ids = frozenset(self.engine.eos_ids)
+        self._end_of_turn_id = eot
         self._lock = threading.Lock()
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._max_sessions = max_sessions
@@ -94,7 +95,9 @@ class EngineClient:
             else:
                 if not messages:
                     raise ValueError("no messages")
-                prompt = self.encode(self.format.render(messages, enable_thinking=s.enable_thinking))
+                prompt = self.encode(
+                    self.format.render(messages, enable_thinking=s.enable_thinking)
+                )
         except Exception as e:  # a template that cannot render these messages fails this call only
             return ChatResult(text="", raw_text="", finish_reason="error", error=f"render: {e}")
         if request.max_prompt_tokens is not None and len(prompt) > request.max_prompt_tokens:
@@ -133,8 +136,8 @@ class EngineClient:
                 error=done.error,
             )
         ids = list(done.token_ids)
-        ended = bool(ids) and ids[-1] in self._stop_ids and done.stop_text_at is None
-        raw = self.decode(ids[:-1] if ended else ids)
+        stopped = bool(ids) and ids[-1] in self._stop_ids and done.stop_text_at is None
+        raw = self.decode(ids[:-1] if stopped else ids)
         if done.stop_text_at is not None:
             raw = raw[: done.stop_text_at]
         reply = self.format.parse(
@@ -146,7 +149,7 @@ class EngineClient:
             + [False] * (len(prompt) - (len(session.ids) if continuing else 0))  # type: ignore[union-attr]
             + [True] * len(ids),
             messages=[*messages, {"role": "assistant", "content": reply.text}],
-            ended_with_end_of_turn=ended,
+            ended_with_end_of_turn=stopped and ids[-1] == self._end_of_turn_id,
             replies=(reply.text, raw),
         )
         with self._lock:
@@ -188,3 +191,16 @@ class EngineClient:
     def close(self) -> None:
         if self._owns_engine:
             self.engine.close()
+
+
+def make_test_backend(
+    spec: str = "smollm2", *, slots: int = 8, max_len: int = 1024
+) -> EngineClient:
+    """A real small model behind the engine as a ``ChatBackend`` (tests, demos; offline for the
+    bundled SmolLM2-135M-Instruct)."""
+    from whale_jax.loading import load_model
+
+    model, _, tokenizer = load_model(spec)
+    if tokenizer is None:
+        raise ValueError(f"{spec}: the checkpoint has no tokenizer")
+    return EngineClient(model, tokenizer, slots=slots, max_len=max_len)

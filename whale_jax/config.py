@@ -156,7 +156,9 @@ class ModelConfig:
 
         def need(key: str) -> Any:
             if key not in hf or hf[key] is None:
-                raise ValueError(f"{source}: missing required key {key!r} (model_type {model_type})")
+                raise ValueError(
+                    f"{source}: missing required key {key!r} (model_type {model_type})"
+                )
             return hf[key]
 
         hidden = int(need("hidden_size"))

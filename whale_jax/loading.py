@@ -138,9 +138,8 @@ def _with_generation_eos(cfg: ModelConfig, directory: Path) -> ModelConfig:
 
 def random_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> Transformer:
     """A randomly initialised model (tests, benchmarks); initialised in one compiled call."""
-    from flax import nnx
-
     import jax
+    from flax import nnx
 
     graphdef = nnx.split(abstract_model(cfg, dtype))[0]
     state = jax.jit(lambda: nnx.split(Transformer(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))[1])()

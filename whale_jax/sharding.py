@@ -42,8 +42,10 @@ def make_mesh(data: int = 1, fsdp: int = -1, tp: int = 1, devices=None) -> Mesh:
             raise ValueError(f"{len(devices)} devices do not divide into mesh sizes {sizes}")
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
-        raise ValueError(f"mesh {dict(zip(AXES, sizes, strict=True))} needs {int(np.prod(sizes))} "
-                         f"devices, have {len(devices)}")
+        raise ValueError(
+            f"mesh {dict(zip(AXES, sizes, strict=True))} needs {int(np.prod(sizes))} "
+            f"devices, have {len(devices)}"
+        )
     return Mesh(np.asarray(devices, dtype=object).reshape(sizes), AXES)
 
 

@@ -145,19 +145,39 @@ def mappings(cfg: ModelConfig) -> list[Mapping]:
             add(("mlp", name), f"mlp.{name}.weight", _t, _t)
         if kind == FULL:
             a = "self_attn"
-            add(("attn", "q_proj"), f"{a}.q_proj.weight",
-                lambda w, qx=qx: _t(w).reshape(d, H, qx), lambda w: _t(w.reshape(d, -1)))
+            add(
+                ("attn", "q_proj"),
+                f"{a}.q_proj.weight",
+                lambda w, qx=qx: _t(w).reshape(d, H, qx),
+                lambda w: _t(w.reshape(d, -1)),
+            )
             for name in ("k_proj", "v_proj"):
-                add(("attn", name), f"{a}.{name}.weight",
-                    lambda w: _t(w).reshape(d, N, K), lambda w: _t(w.reshape(d, -1)))
-            add(("attn", "o_proj"), f"{a}.o_proj.weight",
-                lambda w: _t(w).reshape(H, K, d), lambda w: _t(w.reshape(H * K, d)))
+                add(
+                    ("attn", name),
+                    f"{a}.{name}.weight",
+                    lambda w: _t(w).reshape(d, N, K),
+                    lambda w: _t(w.reshape(d, -1)),
+                )
+            add(
+                ("attn", "o_proj"),
+                f"{a}.o_proj.weight",
+                lambda w: _t(w).reshape(H, K, d),
+                lambda w: _t(w.reshape(H * K, d)),
+            )
             if cfg.attention_bias:
-                add(("attn", "q_bias"), f"{a}.q_proj.bias",
-                    lambda b, qx=qx: b.reshape(H, qx), lambda b: b.reshape(-1))
+                add(
+                    ("attn", "q_bias"),
+                    f"{a}.q_proj.bias",
+                    lambda b, qx=qx: b.reshape(H, qx),
+                    lambda b: b.reshape(-1),
+                )
                 for name in ("k", "v"):
-                    add(("attn", f"{name}_bias"), f"{a}.{name}_proj.bias",
-                        lambda b: b.reshape(N, K), lambda b: b.reshape(-1))
+                    add(
+                        ("attn", f"{name}_bias"),
+                        f"{a}.{name}_proj.bias",
+                        lambda b: b.reshape(N, K),
+                        lambda b: b.reshape(-1),
+                    )
             if cfg.qk_norm:
                 add(("attn", "q_norm", "weight"), f"{a}.q_norm.weight", _same, _same)
                 add(("attn", "k_norm", "weight"), f"{a}.k_norm.weight", _same, _same)
@@ -165,8 +185,12 @@ def mappings(cfg: ModelConfig) -> list[Mapping]:
             a = "linear_attn"
             for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
                 add(("gdn", name), f"{a}.{name}.weight", _t, _t)
-            add(("gdn", "conv"), f"{a}.conv1d.weight",
-                lambda w: np.ascontiguousarray(w[:, 0, :].T), lambda w: np.ascontiguousarray(w.T[:, None, :]))
+            add(
+                ("gdn", "conv"),
+                f"{a}.conv1d.weight",
+                lambda w: np.ascontiguousarray(w[:, 0, :].T),
+                lambda w: np.ascontiguousarray(w.T[:, None, :]),
+            )
             add(("gdn", "dt_bias"), f"{a}.dt_bias", _same, _same)
             add(("gdn", "A_log"), f"{a}.A_log", _same, _same)
             add(("gdn", "norm", "weight"), f"{a}.norm.weight", _same, _same)
@@ -207,15 +231,19 @@ def load_into(model: Transformer, source: TensorSource, origin: str, mesh=None) 
     present = set(source.shapes)
     missing = sorted(expected - present)
     if missing:
-        raise CheckpointError(f"{origin}: missing key {missing[0]!r}" + (
-            f" (and {len(missing) - 1} more: {missing[1:4]}...)" if len(missing) > 1 else ""))
+        raise CheckpointError(
+            f"{origin}: missing key {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more: {missing[1:4]}...)" if len(missing) > 1 else "")
+        )
     unexpected = sorted(present - expected)
     if cfg.tie_word_embeddings and "lm_head.weight" in unexpected:
         unexpected.remove("lm_head.weight")  # some tied checkpoints store the copy anyway
     if unexpected:
         key = unexpected[0]
-        raise CheckpointError(f"{source.files[key]}: unexpected key {key!r}" + (
-            f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+        raise CheckpointError(
+            f"{source.files[key]}: unexpected key {key!r}"
+            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
+        )
     for m in plan:
         var = _variable(model, m.path)
         target = var.get_value()
@@ -256,7 +284,9 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> Transformer:
 
 
 # -- saving -----------------------------------------------------------------------------------
-def hf_tensors(model: Transformer, prefix: str = "model.", dtype=None) -> Iterator[tuple[str, np.ndarray]]:
+def hf_tensors(
+    model: Transformer, prefix: str = "model.", dtype=None
+) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (HF key, host array) for every parameter; ``dtype`` casts matrices (fp32 params stay)."""
     for m in mappings(model.cfg):
         value = np.asarray(jax.device_get(_variable(model, m.path).get_value()))

@@ -25,6 +25,7 @@ used by the next call without recompiling or a copy through the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -96,6 +97,105 @@ def _gather_rows(src: DecodeCache, rows) -> DecodeCache:
     return DecodeCache(lengths=src.lengths[rows], layers=layers)
 
 
+# The jitted steps are module-level with the graph definition as a static argument, so engines
+# over models of one config share compilations (tests and benchmarks build several engines).
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(graphdef, params, tokens_PT, lengths_P) -> Prefix:
+    model = nnx.merge(graphdef, params)
+    logits, cache = model.prefill(tokens_PT, lengths_P, max_len=tokens_PT.shape[1], last_only=True)
+    return Prefix(logits, cache)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _resume(graphdef, params, park: DecodeCache, rows_P, tokens_PT, n_new_P) -> Prefix:
+    model = nnx.merge(graphdef, params)
+    logits, cache = model.extend(_gather_rows(park, rows_P), tokens_PT, n_new_P, last_only=True)
+    return Prefix(logits, cache)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _insert(kv, state: DecodeState, prefix: Prefix, init: dict) -> DecodeState:
+    rows, slots_M = init["rows"], init["slots"]
+    cache = _copy_rows(state.cache, prefix.cache, kv, rows, slots_M)
+    put = lambda x, v: x.at[slots_M].set(v, mode="drop")
+    sp = state.sampling
+    sampling = SlotSampling(
+        temperature=put(sp.temperature, init["temperature"]),
+        top_k=put(sp.top_k, init["top_k"]),
+        top_p=put(sp.top_p, init["top_p"]),
+        key=put(sp.key, init["key"]),
+    )
+    return DecodeState(
+        cache=cache,
+        logits=put(state.logits, prefix.logits[rows]),
+        count=put(state.count, jnp.zeros_like(slots_M)),
+        max_new=put(state.max_new, init["max_new"]),
+        active=put(state.active, jnp.ones(slots_M.shape, bool)),
+        stop_ids=put(state.stop_ids, init["stop_ids"]),
+        sampling=sampling,
+    )
+
+
+def _window(cache: DecodeCache, kv: tuple[bool, ...], length: int) -> DecodeCache:
+    """The first ``length`` KV positions of every full-attention layer (recurrent state whole)."""
+    layers = tuple(
+        tuple(x[:, :, :length] for x in pair) if is_kv else pair
+        for is_kv, pair in zip(kv, cache.layers, strict=True)
+    )
+    return DecodeCache(lengths=cache.lengths, layers=layers)
+
+
+def _unwindow(full: DecodeCache, part: DecodeCache, kv: tuple[bool, ...]) -> DecodeCache:
+    layers = tuple(
+        tuple(f.at[:, :, : p.shape[2]].set(p) for f, p in zip(fp, pp, strict=True)) if is_kv else pp
+        for is_kv, fp, pp in zip(kv, full.layers, part.layers, strict=True)
+    )
+    return DecodeCache(lengths=part.lengths, layers=layers)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=6)
+def _generate(graphdef, kv, steps, max_top_k, kv_len, params, state: DecodeState, occupied_B):
+    """``kv_len`` (static, a bucket) bounds every active slot's length for this call: the loop runs
+    on that window of the KV cache, so each step reads kv_len positions instead of the capacity."""
+    model = nnx.merge(graphdef, params)
+    B = occupied_B.shape[0]
+    out0 = jnp.full((B, steps), -1, jnp.int32)
+    full_cache = state.cache
+    windowed = kv_len < full_cache.capacity
+    state = state.replace(
+        active=state.active & occupied_B,
+        cache=_window(full_cache, kv, kv_len) if windowed else full_cache,
+    )
+
+    def cond(carry):
+        i, st, _ = carry
+        return (i < steps) & jnp.any(st.active)
+
+    def body(carry):
+        i, st, out = carry
+        tok_B = sample(st.logits, st.sampling, st.count, max_top_k=max_top_k)
+        act_B = st.active
+        out = out.at[:, i].set(jnp.where(act_B, tok_B, -1))
+        count = st.count + act_B.astype(jnp.int32)
+        hit_stop = jnp.any(tok_B[:, None] == st.stop_ids, axis=1)
+        still_B = act_B & ~hit_stop & (count < st.max_new)
+        logits, cache = model.extend(
+            st.cache, tok_B[:, None], still_B.astype(jnp.int32), last_only=True
+        )
+        st = st.replace(cache=cache, logits=logits, count=count, active=still_B)
+        return i + 1, st, out
+
+    _, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out0))
+    if windowed:
+        state = state.replace(cache=_unwindow(full_cache, state.cache, kv))
+    return state, out
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _park(kv, park_cache: DecodeCache, cache: DecodeCache, slots_M, rows_M) -> DecodeCache:
+    return _copy_rows(park_cache, cache, kv, slots_M, rows_M)
+
+
 class DeviceEngine:
     """Jitted prefill / resume / insert / generate / park for one model and a fixed slot count."""
 
@@ -117,79 +217,6 @@ class DeviceEngine:
         self._model_dtype = model.dtype
         self.kv = _is_kv(self.cfg.layer_types[: self.cfg.period])
         self.signatures: dict[str, set] = {}  # distinct compiled shapes per function
-        graphdef, kv = self.graphdef, self.kv
-        steps_, top_k_ = steps, max_top_k
-
-        def prefill(params, tokens_PT, lengths_P):
-            model = nnx.merge(graphdef, params)
-            logits, cache = model.prefill(
-                tokens_PT, lengths_P, max_len=tokens_PT.shape[1], last_only=True
-            )
-            return Prefix(logits, cache)
-
-        def resume(params, park, rows_P, tokens_PT, n_new_P):
-            model = nnx.merge(graphdef, params)
-            logits, cache = model.extend(
-                _gather_rows(park, rows_P), tokens_PT, n_new_P, last_only=True
-            )
-            return Prefix(logits, cache)
-
-        def insert(state: DecodeState, prefix: Prefix, init: dict):
-            rows, slots_M = init["rows"], init["slots"]
-            cache = _copy_rows(state.cache, prefix.cache, kv, rows, slots_M)
-            put = lambda x, v: x.at[slots_M].set(v, mode="drop")
-            sp = state.sampling
-            sampling = SlotSampling(
-                temperature=put(sp.temperature, init["temperature"]),
-                top_k=put(sp.top_k, init["top_k"]),
-                top_p=put(sp.top_p, init["top_p"]),
-                key=put(sp.key, init["key"]),
-            )
-            return DecodeState(
-                cache=cache,
-                logits=put(state.logits, prefix.logits[rows]),
-                count=put(state.count, jnp.zeros_like(slots_M)),
-                max_new=put(state.max_new, init["max_new"]),
-                active=put(state.active, jnp.ones(slots_M.shape, bool)),
-                stop_ids=put(state.stop_ids, init["stop_ids"]),
-                sampling=sampling,
-            )
-
-        def generate(params, state: DecodeState, occupied_B):
-            model = nnx.merge(graphdef, params)
-            B = occupied_B.shape[0]
-            out0 = jnp.full((B, steps_), -1, jnp.int32)
-            state = state.replace(active=state.active & occupied_B)
-
-            def cond(carry):
-                i, st, _ = carry
-                return (i < steps_) & jnp.any(st.active)
-
-            def body(carry):
-                i, st, out = carry
-                tok_B = sample(st.logits, st.sampling, st.count, max_top_k=top_k_)
-                act_B = st.active
-                out = out.at[:, i].set(jnp.where(act_B, tok_B, -1))
-                count = st.count + act_B.astype(jnp.int32)
-                hit_stop = jnp.any(tok_B[:, None] == st.stop_ids, axis=1)
-                still_B = act_B & ~hit_stop & (count < st.max_new)
-                logits, cache = model.extend(
-                    st.cache, tok_B[:, None], still_B.astype(jnp.int32), last_only=True
-                )
-                st = st.replace(cache=cache, logits=logits, count=count, active=still_B)
-                return i + 1, st, out
-
-            _, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out0))
-            return state, out
-
-        def park(park_cache, cache, slots_M, rows_M):
-            return _copy_rows(park_cache, cache, kv, slots_M, rows_M)
-
-        self._prefill = jax.jit(prefill)
-        self._resume = jax.jit(resume)
-        self._insert = jax.jit(insert, donate_argnums=0)
-        self._generate = jax.jit(generate, donate_argnums=1)
-        self._park = jax.jit(park, donate_argnums=0)
         self.state = self.empty_state()
         self.park_cache = self._init_cache(park_slots)
 
@@ -227,14 +254,16 @@ class DeviceEngine:
     # -- the five steps --------------------------------------------------------------------------
     def prefill(self, tokens_PT, lengths_P) -> Prefix:
         self._note("prefill", tokens_PT.shape)
-        return self._prefill(self.params, tokens_PT, lengths_P)
+        return _prefill(self.graphdef, self.params, tokens_PT, lengths_P)
 
     def resume(self, rows_P, tokens_PT, n_new_P) -> Prefix:
         self._note("resume", tokens_PT.shape)
-        return self._resume(self.params, self.park_cache, rows_P, tokens_PT, n_new_P)
+        return _resume(self.graphdef, self.params, self.park_cache, rows_P, tokens_PT, n_new_P)
 
     def insert(self, prefix: Prefix, init: SlotInit) -> None:
-        self._note("insert", prefix.logits.shape[0], prefix.cache.layers[0][0].shape, len(init.rows))
+        self._note(
+            "insert", prefix.logits.shape[0], prefix.cache.layers[0][0].shape, len(init.rows)
+        )
         arrays = {
             "rows": jnp.asarray(init.rows, jnp.int32),
             "slots": jnp.asarray(init.slots, jnp.int32),
@@ -245,18 +274,30 @@ class DeviceEngine:
             "top_p": jnp.asarray(init.top_p, jnp.float32),
             "key": jnp.asarray(init.key, jnp.uint32),
         }
-        self.state = self._insert(self.state, prefix, arrays)
+        self.state = _insert(self.kv, self.state, prefix, arrays)
 
-    def generate(self, occupied_B) -> Array:
+    def generate(self, occupied_B, kv_len: int | None = None) -> Array:
         """Advances every occupied, active slot by up to ``steps`` tokens; returns [B, steps] ids
-        (-1 where a slot drew nothing)."""
-        self._note("generate", self.slots)
-        self.state, out = self._generate(self.params, self.state, jnp.asarray(occupied_B))
+        (-1 where a slot drew nothing). ``kv_len`` must bound every occupied slot's cache length
+        after the call (the host knows it); None reads the whole capacity."""
+        kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
+        self._note("generate", self.slots, kv_len)
+        self.state, out = _generate(
+            self.graphdef,
+            self.kv,
+            self.steps,
+            self.max_top_k,
+            kv_len,
+            self.params,
+            self.state,
+            jnp.asarray(occupied_B),
+        )
         return out
 
     def park(self, slots_M, rows_M) -> None:
         self._note("park", len(slots_M))
-        self.park_cache = self._park(
+        self.park_cache = _park(
+            self.kv,
             self.park_cache,
             self.state.cache,
             jnp.asarray(slots_M, jnp.int32),
@@ -279,9 +320,33 @@ def cache_bytes_per_slot(cfg, max_len: int, dtype=jnp.float32) -> int:
         else:
             total += (cfg.linear_conv_kernel - 1) * cfg.gdn_conv_dim * item
             total += (
-                cfg.linear_num_value_heads
-                * cfg.linear_key_head_dim
-                * cfg.linear_value_head_dim
-                * 4
+                cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
             )
     return total
+
+
+def free_device_bytes(device=None) -> int | None:
+    """Free memory of an accelerator (``memory_stats``), or the host's available memory on CPU."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def max_slots(
+    cfg, max_len: int, *, free_bytes: int, dtype=jnp.float32, park_ratio: float = 1.0,
+    reserve: float = 0.1,
+) -> int:  # fmt: skip
+    """How many decode slots fit in ``free_bytes`` (after the weights are resident): each slot
+    holds its decode state plus ``park_ratio`` of a parked session state, and ``reserve`` of the
+    memory is left for activations of prefill and the sampler."""
+    per_slot = cache_bytes_per_slot(cfg, max_len, dtype) * (1.0 + park_ratio)
+    return max(0, int(free_bytes * (1.0 - reserve) // per_slot))

@@ -27,7 +27,14 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from whale_jax.engine.device import DeviceEngine, Prefix, SlotInit
+from whale_jax.engine.device import (
+    DeviceEngine,
+    Prefix,
+    SlotInit,
+    cache_bytes_per_slot,
+    free_device_bytes,
+    max_slots,
+)
 from whale_jax.engine.requests import Completion, Request, RequestError
 from whale_jax.engine.sampling import request_key
 from whale_jax.models.transformer import Transformer
@@ -41,7 +48,8 @@ class EngineConfig:
     max_len: int = 1024
     steps: int = 8  # decode steps per jitted call
     prefill_batch: int = 8  # most prompts prefilled by one call
-    min_bucket: int = 16
+    min_bucket: int = 16  # smallest prompt-length bucket
+    min_kv_bucket: int = 64  # smallest KV window a decode call reads
     max_top_k: int = 64  # width of the exact top-k path (wider top-k falls back to a full sort)
     max_stop_ids: int = 8
     park_slots: int | None = None  # parked session states kept on device; default = slots
@@ -108,6 +116,20 @@ class Engine:
         self._pending_params = None
         self._closed = False
         self._thread: threading.Thread | None = None
+        slot_bytes = cache_bytes_per_slot(self.cfg, c.max_len, model.dtype)
+        free = free_device_bytes()
+        park_ratio = park_slots / max(c.slots, 1)
+        self.memory = {
+            "slot_bytes": slot_bytes,
+            "free_bytes_after_state": free,
+            "more_slots_that_fit": None
+            if free is None
+            else max_slots(
+                self.cfg, c.max_len, free_bytes=free, dtype=model.dtype, park_ratio=park_ratio
+            ),  # fmt: skip
+        }
+        log.info("engine: %d slots x %.1f MiB decode state; memory bound %s", c.slots,
+                 slot_bytes / 2**20, self.memory)  # fmt: skip
         self.stats = collections.Counter()
         self.timings = collections.defaultdict(float)
 
@@ -240,8 +262,12 @@ class Engine:
         for i, job in enumerate(self._running):
             if job is not None and not job.future.done():
                 job.future.set_result(
-                    Completion(token_ids=(), finish_reason="error", error=message,
-                               prompt_tokens=len(job.prompt))  # fmt: skip
+                    Completion(
+                        token_ids=(),
+                        finish_reason="error",
+                        error=message,
+                        prompt_tokens=len(job.prompt),
+                    )  # fmt: skip
                 )
             self._running[i] = None
         self.device.state = self.device.empty_state()
@@ -338,7 +364,10 @@ class Engine:
     def _step(self) -> None:
         t0 = time.perf_counter()
         occupied = np.array([j is not None for j in self._running])
-        out = np.asarray(self.device.generate(occupied))
+        c = self.config
+        longest = max(len(j.prompt) + j.device_tokens for j in self._running if j is not None)
+        kv_len = _bucket(longest + c.steps, c.min_kv_bucket, c.max_len)
+        out = np.asarray(self.device.generate(occupied, kv_len))
         t1 = time.perf_counter()
         self.timings["generate_s"] += t1 - t0
         self.stats["generate_calls"] += 1
@@ -370,7 +399,9 @@ class Engine:
                 if job.device_tokens == len(job.tokens):
                     row = self._park_row()
                     if row is not None:
-                        to_park.append((slot, row, job.request.park, job.prompt + tuple(job.tokens[:-1])))
+                        to_park.append(
+                            (slot, row, job.request.park, job.prompt + tuple(job.tokens[:-1]))
+                        )
             self._finish(job, reason, stop_text_at=cut_at)
         if to_park:
             M = _pow2(len(to_park))

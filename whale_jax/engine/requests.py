@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
-    """``temperature <= 0`` is greedy; ``top_k <= 0`` disables top-k; ``top_p = 1`` disables top-p."""
+    """``temperature <= 0``: greedy; ``top_k <= 0``: no top-k; ``top_p = 1``: no top-p."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -61,7 +61,7 @@ class Completion:
 
 
 class RequestError(ValueError):
-    """A request the engine refuses; reported on that request's completion, never raised to others."""
+    """A request the engine refuses; reported on its own completion, never raised to others."""
 
     def __init__(self, message: str, reason: str = "error"):
         super().__init__(message)

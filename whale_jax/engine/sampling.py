@@ -80,35 +80,45 @@ def _draw(keys_B, logits_BK: Array) -> Array:
 
 
 def sample(logits_BV: Array, params: SlotSampling, index_B: Array, *, max_top_k: int) -> Array:
-    """One token per row; see the module docstring for the rules."""
+    """One token per row; see the module docstring for the rules. Each path runs only when some
+    row takes it (``lax.cond``): an all-greedy batch costs an argmax."""
     V = logits_BV.shape[-1]
     logits_BV = logits_BV.astype(jnp.float32)
     greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    scaled_BV = logits_BV / jnp.maximum(params.temperature, 1e-6)[:, None]
-    keys_B = _row_keys(params.key, index_B)
     K = min(max_top_k, V)
-
-    # Top-k path: rows with 0 < top_k <= K (exact, including top-p inside the k best).
-    vals_BK, idx_BK = jax.lax.top_k(scaled_BV, K)
-    rank_K = jnp.arange(K)
-    vals_BK = jnp.where(rank_K[None, :] < params.top_k[:, None], vals_BK, _NEG)
-    vals_BK = jnp.where(_keep_top_p(vals_BK, params.top_p), vals_BK, _NEG)
-    choice_B = _draw(keys_B, vals_BK)
-    topk_B = jnp.take_along_axis(idx_BK, choice_B[:, None], axis=1)[:, 0].astype(jnp.int32)
-
+    sampled = params.temperature > 0
     wide_B = (params.top_k <= 0) | (params.top_k > K)
-    needs_sort = jnp.any(wide_B & (params.top_p < 1.0) & (params.temperature > 0))
+    zeros_B = jnp.zeros_like(greedy_B)
 
-    def full_sorted():
-        order_BV = jnp.argsort(-scaled_BV, axis=-1)
-        sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
-        sorted_BV = jnp.where(_keep_top_p(sorted_BV, params.top_p), sorted_BV, _NEG)
-        pick = _draw(keys_B, sorted_BV)
-        return jnp.take_along_axis(order_BV, pick[:, None], axis=1)[:, 0].astype(jnp.int32)
+    def sampled_path():
+        scaled_BV = logits_BV / jnp.maximum(params.temperature, 1e-6)[:, None]
+        keys_B = _row_keys(params.key, index_B)
 
-    def full_plain():
-        return _draw(keys_B, scaled_BV).astype(jnp.int32)
+        def top_k_path():  # rows with 0 < top_k <= K: exact, top-p inside the k best
+            vals_BK, idx_BK = jax.lax.top_k(scaled_BV, K)
+            rank_K = jnp.arange(K)
+            vals_BK = jnp.where(rank_K[None, :] < params.top_k[:, None], vals_BK, _NEG)
+            vals_BK = jnp.where(_keep_top_p(vals_BK, params.top_p), vals_BK, _NEG)
+            choice_B = _draw(keys_B, vals_BK)
+            return jnp.take_along_axis(idx_BK, choice_B[:, None], axis=1)[:, 0].astype(jnp.int32)
 
-    wide_tok_B = jax.lax.cond(needs_sort, full_sorted, full_plain)
-    sampled_B = jnp.where(wide_B, wide_tok_B, topk_B)
-    return jnp.where(params.temperature > 0, sampled_B, greedy_B)
+        def full_sorted():
+            order_BV = jnp.argsort(-scaled_BV, axis=-1)
+            sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
+            sorted_BV = jnp.where(_keep_top_p(sorted_BV, params.top_p), sorted_BV, _NEG)
+            pick = _draw(keys_B, sorted_BV)
+            return jnp.take_along_axis(order_BV, pick[:, None], axis=1)[:, 0].astype(jnp.int32)
+
+        def full_plain():
+            return _draw(keys_B, scaled_BV).astype(jnp.int32)
+
+        def wide_path():
+            needs_sort = jnp.any(wide_B & sampled & (params.top_p < 1.0))
+            return jax.lax.cond(needs_sort, full_sorted, full_plain)
+
+        topk_B = jax.lax.cond(jnp.any(sampled & ~wide_B), top_k_path, lambda: zeros_B)
+        wide_tok_B = jax.lax.cond(jnp.any(sampled & wide_B), wide_path, lambda: zeros_B)
+        return jnp.where(wide_B, wide_tok_B, topk_B)
+
+    sampled_B = jax.lax.cond(jnp.any(sampled), sampled_path, lambda: zeros_B)
+    return jnp.where(sampled, sampled_B, greedy_B)

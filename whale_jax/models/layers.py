@@ -90,7 +90,9 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.inv_freq = tuple(float(f) for f in cfg.rope.inv_freq())  # static, hashable
         q_width = 2 * k if cfg.attn_output_gate else k
-        self.q_proj = make_param(rngs, stack, (d, h, q_width), ("embed", "heads", None), dtype=dtype)
+        self.q_proj = make_param(
+            rngs, stack, (d, h, q_width), ("embed", "heads", None), dtype=dtype
+        )
         self.k_proj = make_param(rngs, stack, (d, n, k), ("embed", "kv_heads", None), dtype=dtype)
         self.v_proj = make_param(rngs, stack, (d, n, k), ("embed", "kv_heads", None), dtype=dtype)
         self.o_proj = make_param(rngs, stack, (h, k, d), ("heads", None, "embed"), dtype=dtype)
@@ -174,14 +176,20 @@ class GatedDeltaNet(nnx.Module):
         d, c, hv = cfg.hidden_size, cfg.gdn_conv_dim, cfg.linear_num_value_heads
         self.cfg = cfg
         self.in_proj_qkv = make_param(rngs, stack, (d, c), ("embed", "gdn_qkv"), dtype=dtype)
-        self.in_proj_z = make_param(rngs, stack, (d, cfg.gdn_value_dim), ("embed", "gdn_v"), dtype=dtype)
+        self.in_proj_z = make_param(
+            rngs, stack, (d, cfg.gdn_value_dim), ("embed", "gdn_v"), dtype=dtype
+        )
         self.in_proj_b = make_param(rngs, stack, (d, hv), ("embed", None), dtype=dtype)
         self.in_proj_a = make_param(rngs, stack, (d, hv), ("embed", None), dtype=dtype)
-        self.conv = make_param(rngs, stack, (cfg.linear_conv_kernel, c), (None, "gdn_qkv"), scale=0.3, dtype=dtype)
+        self.conv = make_param(
+            rngs, stack, (cfg.linear_conv_kernel, c), (None, "gdn_qkv"), scale=0.3, dtype=dtype
+        )
         self.dt_bias = make_param(rngs, stack, (hv,), (None,), init="ones")
         self.A_log = make_param(rngs, stack, (hv,), (None,), init="a_log")
         self.norm = RMSNorm(cfg.linear_value_head_dim, cfg, offset=0.0, stack=stack, rngs=rngs)
-        self.out_proj = make_param(rngs, stack, (cfg.gdn_value_dim, d), ("gdn_v", "embed"), dtype=dtype)
+        self.out_proj = make_param(
+            rngs, stack, (cfg.gdn_value_dim, d), ("gdn_v", "embed"), dtype=dtype
+        )
 
     def __call__(self, x_BTD, valid_BT, cache=None):
         """cache: None (fresh sequence) or (conv_BWC, state_BHKV) for this layer; the updated pair is

@@ -107,9 +107,7 @@ class Transformer(nnx.Module):
                 x_BTD, layer_cache = blocks.block(i)(
                     x_BTD, positions_BT, valid_BT, layer_cache, lengths_B
                 )
-                new_caches.append(
-                    jax.tree.map(lambda c, n: c.at[g].set(n), caches[i], layer_cache)
-                )
+                new_caches.append(jax.tree.map(lambda c, n: c.at[g].set(n), caches[i], layer_cache))
             return (x_BTD, None if caches is None else tuple(new_caches)), None
 
         if self.remat:

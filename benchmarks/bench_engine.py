@@ -1,0 +1,250 @@
+"""Rollout engine benchmark: our engine beside transformers ``generate`` (PyTorch), same CPU.
+
+For each model (a small Qwen3.5 hybrid built from bench_model's config, and SmolLM2-135M-Instruct
+from the bundled GGUF), fp32, same weights, same random prompts (``--prompt-len`` tokens), the same
+number of greedy new tokens (``--new-tokens``, EOS ignored), at each batch size:
+
+- transformers: ``model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)``;
+- ours: ``Engine.generate`` of ``batch`` requests through ``batch`` slots (compile excluded:
+  the first run warms up and is reported as ``warmup_s``).
+
+Also: greedy agreement of the two at batch 1 (first-token and whole-sequence), XLA's and PyTorch's
+fp32 matmul rates and our achieved FLOP rate at the largest batch, engine throughput as slots grow,
+the time per decode step split into the jitted call (model + sampling), the model alone (a
+bare jitted loop of ``extend`` steps) and host work, and the engine's compile counts.
+
+Run:  .venv/bin/python benchmarks/bench_engine.py                 (full; tens of minutes)
+      .venv/bin/python benchmarks/bench_engine.py --quick         (a few minutes)
+Writes benchmarks/results/engine.json (``--out`` to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_model import QWEN3_5_SMALL, bench_matmul, build_pair, machine_info  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results" / "engine.json"
+
+
+def load_models(name: str, tmp: Path):
+    """(our model, torch model, config) with the same fp32 weights."""
+    import torch
+    import transformers
+
+    import whale_jax
+
+    if name == "qwen3_5_small":
+        tmodel, _, _ = build_pair(QWEN3_5_SMALL, 0, tmp)
+        model, cfg, _ = whale_jax.load_model(tmp)
+        return model, tmodel, cfg
+    if name == "smollm2":
+        from whale_jax.gguf_io import find_smollm2_gguf
+
+        path = find_smollm2_gguf()
+        model, cfg, _ = whale_jax.load_model("smollm2")
+        tmodel = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        tmodel.config._attn_implementation = "sdpa"
+        return model, tmodel, cfg
+    raise ValueError(name)
+
+
+def flops_per_token(cfg, context: float) -> float:
+    """Matmul FLOPs of one decode token at an average attended context."""
+    from whale_jax.config import FULL
+
+    params = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    attn = sum(4 * context * cfg.num_heads * cfg.head_dim for k in cfg.layer_types if k == FULL)
+    return 2.0 * params + attn
+
+
+def torch_generate(tmodel, prompts: np.ndarray, n_new: int):
+    import torch
+
+    ids = torch.from_numpy(prompts.astype(np.int64))
+    with torch.inference_mode():
+        out = tmodel.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return out[:, prompts.shape[1] :].numpy()
+
+
+def make_engine(model, slots: int, max_len: int, steps: int):
+    from whale_jax.engine import Engine, EngineConfig
+
+    return Engine(
+        model,
+        EngineConfig(slots=slots, max_len=max_len, steps=steps, prefill_batch=min(slots, 16)),
+        eos_ids=(),
+    )
+
+
+def engine_generate(engine, prompts: np.ndarray, n_new: int):
+    from whale_jax.engine import Request, Sampling
+
+    sampling = Sampling(temperature=0.0, max_new_tokens=n_new)
+    outs = engine.generate([Request(prompt_ids=tuple(p), sampling=sampling) for p in prompts])
+    return np.array([o.token_ids for o in outs])
+
+
+def timed(fn, repeats: int):
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), out
+
+
+def model_only_step(engine, batch: int, kv_len: int, steps: int) -> float:
+    """Seconds per decode step of the bare model (a jitted loop of one-token ``extend`` calls over
+    a KV window of ``kv_len``, no sampling, no host work) at ``batch`` rows."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, params = engine.device.graphdef, engine.device.params
+    model = nnx.merge(graphdef, params)
+    cache = model.init_cache(batch, kv_len)
+    cache = cache.replace(lengths=jnp.full((batch,), kv_len // 2, jnp.int32))
+
+    @jax.jit
+    def run(params, cache):
+        m = nnx.merge(graphdef, params)
+
+        def body(i, carry):
+            cache, tok = carry
+            logits, cache = m.extend(
+                cache, tok[:, None], jnp.ones((batch,), jnp.int32), last_only=True
+            )
+            return cache, jnp.argmax(logits, -1).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((batch,), jnp.int32)))
+
+    jax.block_until_ready(run(params, cache))
+    t, _ = timed(lambda: jax.block_until_ready(run(params, cache)), 3)
+    return t / steps
+
+
+def bench_model_engine(name, args, tmp: Path, matmul: dict) -> dict:
+    model, tmodel, cfg = load_models(name, tmp)
+    P, N = args.prompt_len, args.new_tokens
+    max_len = 1 << (P + N - 1).bit_length()
+    rng = np.random.default_rng(0)
+    result = {"model": name, "num_params": cfg.num_params(), "prompt_len": P, "new_tokens": N,
+              "max_len": max_len, "steps_per_call": args.steps, "batches": {}}  # fmt: skip
+    for batch in args.batches:
+        prompts = rng.integers(0, cfg.vocab_size, (batch, P)).astype(np.int32)
+        engine = make_engine(model, batch, max_len, args.steps)
+        t0 = time.perf_counter()
+        engine_generate(engine, prompts, N)
+        warm = time.perf_counter() - t0
+        engine.stats.clear()
+        engine.timings.clear()
+        ours_s, ours = timed(lambda e=engine, p=prompts: engine_generate(e, p, N), args.repeats)
+        torch_generate(tmodel, prompts[:, :8], 2)  # warm
+        torch_s, theirs = timed(lambda p=prompts: torch_generate(tmodel, p, N), args.repeats)
+        tokens = batch * N
+        calls = max(engine.stats["generate_calls"], 1)
+        row = {
+            "ours_tok_s": tokens / ours_s,
+            "torch_tok_s": tokens / torch_s,
+            "speedup": torch_s / ours_s,
+            "ours_s": ours_s,
+            "torch_s": torch_s,
+            "warmup_s": warm,
+            "greedy_first_token_agree": float(np.mean(ours[:, 0] == theirs[:, 0])),
+            "greedy_all_agree": float(np.mean(np.all(ours == theirs, axis=1))),
+            "compile_counts": engine.compile_counts,
+            "per_call": {
+                "generate_ms": 1e3 * engine.timings["generate_s"] / calls,
+                "host_ms": 1e3 * engine.timings["host_s"] / calls,
+                "admit_ms": 1e3 * engine.timings["admit_s"] / calls,
+            },
+        }
+        steps = engine.stats["generate_calls"] * args.steps
+        row["per_step_ms"] = {
+            "generate_call": 1e3 * engine.timings["generate_s"] / max(steps, 1),
+            "host": 1e3 * (engine.timings["host_s"] + engine.timings["admit_s"]) / max(steps, 1),
+        }
+        if batch == max(args.batches) or args.split_all:
+            kv = min(max_len, max(64, 1 << (P + N).bit_length()))
+            row["per_step_ms"]["model_only"] = 1e3 * model_only_step(engine, batch, kv, args.steps)
+        if batch == max(args.batches):
+            fpt = flops_per_token(cfg, P + N / 2)
+            row["gflops_achieved"] = fpt * tokens / ours_s / 1e9
+            best_mm = max(matmul["xla"]["gflops_median"], matmul["torch"]["gflops_median"])
+            row["fraction_of_best_matmul"] = row["gflops_achieved"] / best_mm
+        engine.close()
+        result["batches"][str(batch)] = row
+        print(f"{name} batch {batch}: ours {row['ours_tok_s']:.1f} tok/s, torch "
+              f"{row['torch_tok_s']:.1f} tok/s ({row['speedup']:.2f}x), agree "
+              f"{row['greedy_all_agree']:.2f}, step {row['per_step_ms']}", flush=True)  # fmt: skip
+    if args.slots:
+        sweep = {}
+        for slots in args.slots:
+            prompts = rng.integers(0, cfg.vocab_size, (slots, P)).astype(np.int32)
+            engine = make_engine(model, slots, max_len, args.steps)
+            engine_generate(engine, prompts, N)
+            s, _ = timed(lambda e=engine, p=prompts: engine_generate(e, p, N), 1)
+            sweep[str(slots)] = {"tok_s": slots * N / s, "compile_counts": engine.compile_counts}
+            engine.close()
+            print(f"{name} slots {slots}: {slots * N / s:.1f} tok/s", flush=True)
+        result["slots_sweep"] = sweep
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen3_5_small,smollm2")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--slots", default="1,2,4,8,16,32,64,128", help="'' to skip the sweep")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--split-all", action="store_true", help="model-only step time at every batch")
+    ap.add_argument("--quick", action="store_true", help="qwen3_5_small, batches 1,16, no sweep")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.batches, args.slots = "qwen3_5_small", "1,16", ""
+        args.new_tokens = min(args.new_tokens, 16)
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.slots = [int(s) for s in args.slots.split(",") if s]
+    report = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items()}}
+    report["matmul"] = bench_matmul(1024, 5)
+    print(f"matmul GFLOP/s: xla {report['matmul']['xla']['gflops_median']:.0f}, torch "
+          f"{report['matmul']['torch']['gflops_median']:.0f}", flush=True)  # fmt: skip
+    report["models"] = {}
+    for name in args.models.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            report["models"][name] = bench_model_engine(name, args, Path(tmp), report["matmul"])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

