@@ -50,15 +50,14 @@ def load_models(name: str, tmp: Path):
         model, cfg, _ = whale_jax.load_model(tmp)
         return model, tmodel, cfg
     if name == "smollm2":
-        from whale_jax.gguf_io import find_smollm2_gguf
+        from whale_jax.loading import source_of
+        from whale_jax.weights import save_hf
 
-        path = find_smollm2_gguf()
         model, cfg, _ = whale_jax.load_model("smollm2")
-        tmodel = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        ).eval()
+        save_hf(model, tmp, source_of(model).hf_config)  # the GGUF's weights, dequantised, as HF
+        tmodel = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
         tmodel.config._attn_implementation = "sdpa"
-        return model, tmodel, cfg
+        return model, tmodel.eval(), cfg
     raise ValueError(name)
 
 
@@ -236,12 +235,12 @@ def main(argv=None) -> int:
     print(f"matmul GFLOP/s: xla {report['matmul']['xla']['gflops_median']:.0f}, torch "
           f"{report['matmul']['torch']['gflops_median']:.0f}", flush=True)  # fmt: skip
     report["models"] = {}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             report["models"][name] = bench_model_engine(name, args, Path(tmp), report["matmul"])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+        out.write_text(json.dumps(report, indent=1))  # after each model: partial runs keep data
     print(f"wrote {out}")
     return 0
 

@@ -111,9 +111,55 @@ TORCH_ATTN = "sdpa"
 VERBOSE = False
 
 
+class Watchdog:
+    """Ends the run if one call hangs: prints every thread's stack, saves what was measured so
+    far (with the hung call named under "error") and exits with status 3. A timed-out call cannot
+    be interrupted from Python, so this is the only way out of a hang; block_until_ready releases
+    the GIL, so the timer thread runs."""
+
+    def __init__(self):
+        self.limit_s = 0.0  # 0: off
+        self.results: dict | None = None
+        self.out: Path | None = None
+        self._timer = None
+
+    def arm(self, label: str) -> None:
+        import threading
+
+        self.disarm()
+        if self.limit_s > 0:
+            self._timer = threading.Timer(self.limit_s, self._fire, (label,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self, label: str) -> None:
+        msg = f"watchdog: {label} did not finish within {self.limit_s:g} s; giving up"
+        print(f"\n{msg}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        if self.results is not None and self.out is not None:
+            self.results["error"] = msg
+            _save(self.results, self.out)
+            print(f"partial results in {self.out}", file=sys.stderr, flush=True)
+        os._exit(3)
+
+
+WATCHDOG = Watchdog()
+
+
 def _progress(msg: str) -> None:
+    WATCHDOG.arm(msg)
     if VERBOSE:
         print(f"    [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _save(results: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def _load() -> float:
@@ -144,6 +190,7 @@ def time_cases(cases: dict[str, Callable[[], object]], repeats: int, warm=None):
         t0 = time.perf_counter()
         out = warm.get(name, fn)()
         first[name] = time.perf_counter() - t0
+        WATCHDOG.disarm()
         if name not in warm:
             last[name] = out
     times = {name: [] for name in cases}
@@ -157,6 +204,7 @@ def time_cases(cases: dict[str, Callable[[], object]], repeats: int, warm=None):
             last[name] = cases[name]()
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
+            WATCHDOG.disarm()
         loads.append(_load())
     stats = {name: _stats(times[name], cpu[name]) for name in names}
     return stats, last, first, float(np.mean(loads))
@@ -164,6 +212,24 @@ def time_cases(cases: dict[str, Callable[[], object]], repeats: int, warm=None):
 
 # ------------------------------------------------------------------------------------------------
 # machine
+
+
+def _git_state() -> dict:
+    """The commit benchmarked, and which library files differ from it."""
+    import subprocess
+
+    def git(*a):
+        return subprocess.run(
+            ["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+
+    try:
+        return {
+            "git_commit": git("rev-parse", "HEAD"),
+            "git_modified": git("status", "--porcelain", "--", "whale_jax").splitlines(),
+        }
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_modified": None}
 
 
 def machine_info() -> dict:
@@ -186,7 +252,7 @@ def machine_info() -> dict:
     except Exception:  # pragma: no cover
         flax_version = None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_model": cpu_model,
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -200,6 +266,7 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "numpy": np.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        **_git_state(),
         "load_avg_start": [round(x, 2) for x in os.getloadavg()],
     }
 
@@ -281,8 +348,18 @@ def _block_solve(A, rhs, block):
     return jnp.concatenate(xs, axis=-2)
 
 
-def gdn_hoisted(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, *, chunk_size=64,
-                solver="trsm", block=32):
+def gdn_hoisted(
+    q_BTHK,
+    k_BTHK,
+    v_BTHV,
+    g_BTH,
+    beta_BTH,
+    state_BHKV=None,
+    *,
+    chunk_size=64,
+    solver="trsm",
+    block=32,
+):
     """Prototype: chunked gated delta rule with the chunk-local work hoisted out of the scan."""
     import jax
     import jax.numpy as jnp
@@ -340,11 +417,75 @@ def gdn_hoisted(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, *, chu
     return out_BTHV.astype(out_dtype), S
 
 
+def gdn_inscan(
+    q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, *, chunk_size=64, block=16
+):
+    """Prototype: the library's structure (all work inside a rematerialised scan body), with the
+    block solve in place of solve_triangular. Isolates the solver change from the hoisting."""
+    import jax
+    import jax.numpy as jnp
+
+    f32 = jnp.float32
+    out_dtype = v_BTHV.dtype
+    B, T, _, K = k_BTHK.shape
+    H, V = v_BTHV.shape[2:]
+    C = min(chunk_size, T)
+    pad = (-T) % C
+    N = (T + pad) // C
+
+    def chunks(x, scale=1.0):
+        x = x.astype(f32) * scale
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(B, N, C, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+    q = chunks(_expand_heads(q_BTHK, H), K**-0.5)
+    k = chunks(_expand_heads(k_BTHK, H))
+    v, g, beta = chunks(v_BTHV), chunks(g_BTH), chunks(beta_BTH)
+    S = jnp.zeros((B, H, K, V), f32) if state_BHKV is None else state_BHKV.astype(f32)
+    lower_incl = jnp.tril(jnp.ones((C, C), bool))
+    lower_strict = jnp.tril(jnp.ones((C, C), bool), -1)
+
+    @jax.checkpoint
+    def chunk(S, xs):
+        q, k, v, g, beta = xs
+        G = jnp.cumsum(g, axis=-1)
+        decay = jnp.exp(jnp.where(lower_incl, G[..., :, None] - G[..., None, :], -jnp.inf))
+        kk = jnp.einsum("bhik,bhjk->bhij", k, k)
+        A = jnp.where(lower_strict, beta[..., :, None] * kk * decay, 0.0)
+        rhs = jnp.concatenate([v * beta[..., None], k * (beta * jnp.exp(G))[..., None]], -1)
+        solved = _block_solve(A, rhs, block)
+        U, W = solved[..., :V], solved[..., V:]
+        v_new = U - jnp.einsum("bhck,bhkv->bhcv", W, S)
+        attn = jnp.einsum("bhik,bhjk->bhij", q, k) * decay
+        out = jnp.exp(G)[..., None] * jnp.einsum("bhck,bhkv->bhcv", q, S)
+        out = out + jnp.einsum("bhij,bhjv->bhiv", attn, v_new)
+        G_last = G[..., -1]
+        k_to_end = k * jnp.exp(G_last[..., None] - G)[..., None]
+        S = jnp.exp(G_last)[..., None, None] * S + jnp.einsum("bhck,bhcv->bhkv", k_to_end, v_new)
+        return S, out
+
+    S, out_NBHCV = jax.lax.scan(chunk, S, (q, k, v, g, beta))
+    out_BTHV = jnp.moveaxis(out_NBHCV, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
+    return out_BTHV.astype(out_dtype), S
+
+
+# name -> (function, keyword arguments)
 VARIANTS = {
-    "hoisted_trsm": dict(solver="trsm"),
-    "hoisted_block16": dict(solver="block", block=16),
-    "hoisted_block32": dict(solver="block", block=32),
+    "inscan_block16": (gdn_inscan, dict(block=16)),
+    "hoisted_trsm": (gdn_hoisted, dict(solver="trsm")),
+    "hoisted_block16": (gdn_hoisted, dict(solver="block", block=16)),
+    "hoisted_block32": (gdn_hoisted, dict(solver="block", block=32)),
 }
+
+
+DEFAULT_VARIANTS = ("inscan_block16", "hoisted_block16")
+PROPOSED = "hoisted_block16"  # the variant also run at the other shapes and in the backward pass
+
+
+def _variant(name):
+    fn, kwargs = VARIANTS[name]
+    return functools.partial(fn, chunk_size=CHUNK, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -390,7 +531,8 @@ def _compiled_case(fn, args):
     return case, warm
 
 
-def bench_gdn(T, shape, repeats, variants, backward=False, B=1) -> dict:
+def bench_gdn(T, shape, repeats, variants, B=1) -> dict:
+    """Forward pass of ours, torch and the prototype ``variants`` on the same inputs."""
     import jax.numpy as jnp
     import torch
 
@@ -403,8 +545,9 @@ def bench_gdn(T, shape, repeats, variants, backward=False, B=1) -> dict:
 
     def run_torch(xs=targs):
         with torch.no_grad():
-            return torch_fn(*xs, chunk_size=CHUNK, output_final_state=True,
-                            use_qk_l2norm_in_kernel=False)
+            return torch_fn(
+                *xs, chunk_size=CHUNK, output_final_state=True, use_qk_l2norm_in_kernel=False
+            )
 
     cases, warm = {}, {}
     ours = functools.partial(chunked_gated_delta_rule, chunk_size=CHUNK)
@@ -412,8 +555,7 @@ def bench_gdn(T, shape, repeats, variants, backward=False, B=1) -> dict:
     cases["torch"] = run_torch
     warm["torch"] = lambda: run_torch([t[:, : 4 * CHUNK] for t in targs])
     for name in variants:
-        fn = functools.partial(gdn_hoisted, chunk_size=CHUNK, **VARIANTS[name])
-        cases[name], warm[name] = _compiled_case(fn, jargs)
+        cases[name], warm[name] = _compiled_case(_variant(name), jargs)
     stats, last, first, load = time_cases(cases, repeats, warm)
 
     ref_out, ref_state = (t.numpy() for t in last["torch"])
@@ -430,27 +572,30 @@ def bench_gdn(T, shape, repeats, variants, backward=False, B=1) -> dict:
             entry["speedup_vs_torch"] = stats["torch"]["median_s"] / s["median_s"]
         result["cases"][name] = entry
     del last
-    if backward:
-        result["backward"] = bench_gdn_backward(jargs, targs, repeats, variants)
     return result
 
 
-def bench_gdn_backward(jargs, targs, repeats, variants) -> dict:
+def bench_gdn_backward(T, shape, repeats, variants, B=1) -> dict:
     """Forward + backward of sum(out): jax.grad w.r.t. all five inputs vs torch autograd."""
     import jax
     import jax.numpy as jnp
+    import torch
 
     from whale_jax.models.gated_delta import chunked_gated_delta_rule
 
     torch_fn = _torch_gdn()
+    arrays = gdn_inputs(B, T, shape["Hk"], shape["Hv"], shape["K"], shape["V"])
+    jargs = [jnp.asarray(x) for x in arrays]
+    targs = [torch.from_numpy(x) for x in arrays]
 
     def grad_of(fn):
         return jax.grad(lambda *a: jnp.sum(fn(*a)[0]), argnums=(0, 1, 2, 3, 4))
 
     def torch_case(xs=targs):
         xs = [t.clone().requires_grad_(True) for t in xs]
-        out, _ = torch_fn(*xs, chunk_size=CHUNK, output_final_state=True,
-                          use_qk_l2norm_in_kernel=False)
+        out, _ = torch_fn(
+            *xs, chunk_size=CHUNK, output_final_state=True, use_qk_l2norm_in_kernel=False
+        )
         out.sum().backward()
         return [x.grad for x in xs]
 
@@ -460,18 +605,18 @@ def bench_gdn_backward(jargs, targs, repeats, variants) -> dict:
     cases["torch"] = torch_case
     warm["torch"] = lambda: torch_case([t[:, : 4 * CHUNK] for t in targs])
     for name in variants:
-        fn = functools.partial(gdn_hoisted, chunk_size=CHUNK, **VARIANTS[name])
-        cases[name], warm[name] = _compiled_case(grad_of(fn), jargs)
+        cases[name], warm[name] = _compiled_case(grad_of(_variant(name)), jargs)
     stats, last, first, load = time_cases(cases, repeats, warm)
     ref = [t.numpy() for t in last["torch"]]
-    out = {"load_1m": load, "cases": {}}
+    out = {"B": B, "T": T, **shape, "chunk_size": CHUNK, "load_1m": load, "cases": {}}
     for name, s in stats.items():
         entry = dict(s)
         if name != "torch":
             grads = [np.asarray(x) for x in last[name]]
             entry["compile_s"] = first[name]
             entry["max_rel_diff_grads"] = max(
-                float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) for a, b in zip(grads, ref)
+                float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+                for a, b in zip(grads, ref, strict=True)
             )
             entry["speedup_vs_torch"] = stats["torch"]["median_s"] / s["median_s"]
         out["cases"][name] = entry
@@ -496,14 +641,16 @@ def build_pair(hf_config: dict, seed: int, tmp: Path):
     config = transformers.CONFIG_MAPPING[model_type](**json.loads(json.dumps(cfg)))
     config._attn_implementation = TORCH_ATTN
     torch.manual_seed(seed)
-    model_cls = {"qwen3_5_text": transformers.Qwen3_5ForCausalLM,
-                 "llama": transformers.LlamaForCausalLM}[model_type]
+    model_cls = {
+        "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
+        "llama": transformers.LlamaForCausalLM,
+    }[model_type]
     tmodel = model_cls(config).to(torch.float32).eval()
     # transformers' default init (std 0.02) leaves logits near zero; give every matrix a
     # 1/sqrt(fan_in) scale so the agreement check sees signals of order one.
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in tmodel.named_parameters():
+        for p in tmodel.parameters():
             if p.ndim == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
     tmodel.save_pretrained(tmp, safe_serialization=True)
@@ -522,15 +669,19 @@ def build_pair(hf_config: dict, seed: int, tmp: Path):
 
 
 def bench_model(name: str, hf_config: dict, shapes, repeats, seed=0) -> dict:
-    import jax
     import jax.numpy as jnp
     import torch
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmodel, (forward, state), info = build_pair(hf_config, seed, Path(tmp))
-    result = {"name": name, "config": hf_config, **info, "build_s": time.perf_counter() - t0,
-              "runs": []}
+    result = {
+        "name": name,
+        "config": hf_config,
+        **info,
+        "build_s": time.perf_counter() - t0,
+        "runs": [],
+    }
     rng = np.random.default_rng(seed + 1)
     warmed = []
 
@@ -546,13 +697,13 @@ def bench_model(name: str, hf_config: dict, shapes, repeats, seed=0) -> dict:
 
         compiled = {}
 
-        def compile_ours():
+        def compile_ours(jt=jt, compiled=compiled):
             compiled["f"] = forward.lower(state, jt).compile()
 
-        def ours():
+        def ours(jt=jt, compiled=compiled):
             return compiled["f"](state, jt).block_until_ready()
 
-        def peer():
+        def peer(tt=tt):
             with torch.no_grad():
                 return tmodel(input_ids=tt, use_cache=False).logits
 
@@ -564,18 +715,25 @@ def bench_model(name: str, hf_config: dict, shapes, repeats, seed=0) -> dict:
         scale = float(np.abs(ref).max())
         del last
         gc.collect()
-        run = {"B": B, "T": T, "load_1m": load,
-               "max_abs_diff_logits": diff, "max_abs_logit": scale, "rel_diff_logits": diff / scale}
+        run = {
+            "B": B,
+            "T": T,
+            "load_1m": load,
+            "max_abs_diff_logits": diff,
+            "max_abs_logit": scale,
+            "rel_diff_logits": diff / scale,
+        }
         for case, s in stats.items():
             run[case] = {**s, "tokens_per_s": B * T / s["median_s"]}
         run["ours"]["compile_s"] = first["ours"]
         run["speedup_vs_torch"] = stats["torch"]["median_s"] / stats["ours"]["median_s"]
         result["runs"].append(run)
-        print(f"  {name:14s} B={B} T={T:5d}  ours {run['ours']['tokens_per_s']:8.0f} tok/s  "
-              f"torch {run['torch']['tokens_per_s']:8.0f} tok/s  x{run['speedup_vs_torch']:.2f}  "
-              f"rel diff {run['rel_diff_logits']:.1e}  load {load:.1f}", flush=True)
-    del tmodel, state
-    gc.collect()
+        print(
+            f"  {name:14s} B={B} T={T:5d}  ours {run['ours']['tokens_per_s']:8.0f} tok/s  "
+            f"torch {run['torch']['tokens_per_s']:8.0f} tok/s  x{run['speedup_vs_torch']:.2f}  "
+            f"rel diff {run['rel_diff_logits']:.1e}  load {load:.1f}",
+            flush=True,
+        )
     return result
 
 
@@ -587,33 +745,98 @@ def _ms(s):
     return f"{s * 1e3:9.1f}"
 
 
+def _row(name, c, diff_key):
+    sp = f"{c['speedup_vs_torch']:8.2f}" if "speedup_vs_torch" in c else f"{'1.00':>8s}"
+    d = f"{c[diff_key]:9.1e}" if diff_key in c else f"{'ref':>9s}"
+    return f"  {name:18s} {_ms(c['median_s'])} {_ms(c['min_s'])} {sp} {d}"
+
+
 def print_gdn(r: dict) -> None:
-    head = f"gated delta rule fwd  B={r['B']} T={r['T']} Hk={r['Hk']} Hv={r['Hv']} K={r['K']} V={r['V']}"
-    print(f"\n{head}  (load {r['load_1m']:.1f})")
+    shape = f"B={r['B']} T={r['T']} Hk={r['Hk']} Hv={r['Hv']} K={r['K']} V={r['V']}"
+    print(f"\ngated delta rule forward  {shape}  (load {r['load_1m']:.1f})")
     print(f"  {'case':18s} {'median ms':>9s} {'best ms':>9s} {'x torch':>8s} {'max|diff|':>9s}")
     for name, c in r["cases"].items():
-        sp = f"{c['speedup_vs_torch']:8.2f}" if "speedup_vs_torch" in c else f"{'1.00':>8s}"
-        d = f"{c['max_abs_diff_out']:9.1e}" if "max_abs_diff_out" in c else f"{'ref':>9s}"
-        print(f"  {name:18s} {_ms(c['median_s'])} {_ms(c['min_s'])} {sp} {d}")
-    if "backward" in r:
-        print(f"  backward (grad of sum(out), all inputs)  (load {r['backward']['load_1m']:.1f})")
-        for name, c in r["backward"]["cases"].items():
-            sp = f"{c['speedup_vs_torch']:8.2f}" if "speedup_vs_torch" in c else f"{'1.00':>8s}"
-            d = f"{c['max_rel_diff_grads']:9.1e}" if "max_rel_diff_grads" in c else f"{'ref':>9s}"
-            print(f"  {name:18s} {_ms(c['median_s'])} {_ms(c['min_s'])} {sp} {d}")
+        print(_row(name, c, "max_abs_diff_out"))
+    sys.stdout.flush()
+
+
+def print_gdn_backward(r: dict) -> None:
+    shape = f"B={r['B']} T={r['T']} Hk={r['Hk']} Hv={r['Hv']} K={r['K']} V={r['V']}"
+    print(f"\ngated delta rule forward+backward  {shape}  (load {r['load_1m']:.1f})")
+    print(f"  {'case':18s} {'median ms':>9s} {'best ms':>9s} {'x torch':>8s} {'rel diff':>9s}")
+    for name, c in r["cases"].items():
+        print(_row(name, c, "max_rel_diff_grads"))
+    sys.stdout.flush()
+
+
+def print_summary(results: dict) -> None:
+    """One markdown table of the headline numbers (what docs/benchmarks.md shows)."""
+    print("\n| what | shape | ours | torch | ours / torch | max abs diff | load |")
+    print("|---|---|---|---|---|---|---|")
+    if "matmul" in results:
+        mm = results["matmul"]
+        print(
+            f"| matmul GFLOP/s | {mm['n']}^3 | {mm['xla']['gflops_median']:.1f} | "
+            f"{mm['torch']['gflops_median']:.1f} | "
+            f"{mm['xla']['gflops_median'] / mm['torch']['gflops_median']:.2f} | | "
+            f"{mm['load_1m']:.1f} |"
+        )
+    for r in results.get("gdn", []):
+        shape = f"T={r['T']} Hk={r['Hk']} Hv={r['Hv']}"
+        t = r["cases"]["torch"]["median_s"] * 1e3
+        for name, c in r["cases"].items():
+            if name == "torch":
+                continue
+            print(
+                f"| GDN fwd ms ({name}) | {shape} | {c['median_s'] * 1e3:.0f} | {t:.0f} | "
+                f"{c['speedup_vs_torch']:.2f}x | {c['max_abs_diff_out']:.1e} | "
+                f"{r['load_1m']:.1f} |"
+            )
+    if "gdn_backward" in results:
+        r = results["gdn_backward"]
+        t = r["cases"]["torch"]["median_s"] * 1e3
+        for name, c in r["cases"].items():
+            if name != "torch":
+                print(
+                    f"| GDN fwd+bwd ms ({name}) | T={r['T']} Hk={r['Hk']} Hv={r['Hv']} | "
+                    f"{c['median_s'] * 1e3:.0f} | {t:.0f} | {c['speedup_vs_torch']:.2f}x | "
+                    f"{c['max_rel_diff_grads']:.1e} (rel) | {r['load_1m']:.1f} |"
+                )
+    for m in results.get("model", []):
+        for run in m["runs"]:
+            print(
+                f"| {m['name']} prefill tok/s | B={run['B']} T={run['T']} | "
+                f"{run['ours']['tokens_per_s']:.0f} | {run['torch']['tokens_per_s']:.0f} | "
+                f"{run['speedup_vs_torch']:.2f}x | {run['max_abs_diff_logits']:.1e} "
+                f"(rel {run['rel_diff_logits']:.0e}) | {run['load_1m']:.1f} |"
+            )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (about a minute)")
-    p.add_argument("--only", choices=["matmul", "gdn", "model"], action="append",
-                   help="run only these sections (repeatable)")
+    p.add_argument(
+        "--only",
+        choices=["matmul", "gdn", "model"],
+        action="append",
+        help="run only these sections (repeatable)",
+    )
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per case")
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
     p.add_argument("--no-save", action="store_true", help="print only, write no JSON")
+    p.add_argument(
+        "--variants",
+        choices=["default", "all"],
+        default="default",
+        help="GDN prototypes at T=2048: the default few, or all of VARIANTS",
+    )
     p.add_argument("--verbose", action="store_true", help="log every warm-up and timed call")
-    p.add_argument("--watchdog", type=float, default=1800.0,
-                   help="dump all stacks and exit if the run takes longer (seconds; 0: never)")
+    p.add_argument(
+        "--watchdog",
+        type=float,
+        default=600.0,
+        help="if one call takes longer (seconds; 0: never), dump all stacks, save and exit",
+    )
     args = p.parse_args(argv)
     global VERBOSE
     VERBOSE = args.verbose
@@ -621,8 +844,7 @@ def main(argv=None) -> int:
         import signal
 
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: stacks
-    if args.watchdog > 0:
-        faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    WATCHDOG.limit_s = args.watchdog
     sections = set(args.only or ["matmul", "gdn", "model"])
     quick = args.quick
     reps = args.repeats or (3 if quick else 5)
@@ -630,51 +852,78 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     machine = machine_info()
-    print(f"{machine['cpu_model']}  {machine['cpu_count']} cores  jax {machine['jax']}  "
-          f"torch {machine['torch']} ({machine['torch_threads']} threads)  "
-          f"transformers {machine['transformers']}  load {machine['load_avg_start']}", flush=True)
-    results = {"machine": machine, "quick": quick, "repeats": reps, "model_repeats": model_reps,
-               "timing": "median wall time over round-robin repeats after one warm-up call"}
+    print(
+        f"{machine['cpu_model']}  {machine['cpu_count']} cores  jax {machine['jax']}  "
+        f"torch {machine['torch']} ({machine['torch_threads']} threads)  "
+        f"transformers {machine['transformers']}  load {machine['load_avg_start']}",
+        flush=True,
+    )
+    results = {
+        "machine": machine,
+        "quick": quick,
+        "repeats": reps,
+        "model_repeats": model_reps,
+        "timing": "median wall time over round-robin repeats after one warm-up call",
+    }
+    if not args.no_save:
+        WATCHDOG.results, WATCHDOG.out = results, args.out
+
+    def checkpoint():
+        if not args.no_save:
+            _save(results, args.out)
 
     if "matmul" in sections:
         mm = bench_matmul(2048, reps)
         results["matmul"] = mm
-        print(f"\nfp32 matmul 2048^3: XLA {mm['xla']['gflops_median']:.1f} GFLOP/s "
-              f"(best {mm['xla']['gflops_best']:.1f}), torch {mm['torch']['gflops_median']:.1f} "
-              f"(best {mm['torch']['gflops_best']:.1f})  load {mm['load_1m']:.1f}", flush=True)
+        print(
+            f"\nfp32 matmul 2048^3: XLA {mm['xla']['gflops_median']:.1f} GFLOP/s "
+            f"(best {mm['xla']['gflops_best']:.1f}), torch {mm['torch']['gflops_median']:.1f} "
+            f"(best {mm['torch']['gflops_best']:.1f})  load {mm['load_1m']:.1f}",
+            flush=True,
+        )
+        checkpoint()
 
     if "gdn" in sections:
-        gdn = []
-        plan = [(2048, GDN_SHAPE, list(VARIANTS), not quick)]
+        results["gdn_proposed_variant"] = PROPOSED
+        results["gdn"] = []
+        explore = list(VARIANTS) if args.variants == "all" else list(DEFAULT_VARIANTS)
+        plan = [(2048, GDN_SHAPE, [PROPOSED] if quick else explore, reps)]
         if not quick:
-            plan += [(512, GDN_SHAPE, list(VARIANTS), False),
-                     (8192, GDN_SHAPE, None, False),
-                     (2048, GDN_GROUPED, None, False)]
-        best = None
-        for T, shape, variants, backward in plan:
-            if variants is None:  # after T=2048: only the fastest prototype
-                variants = [best] if best else []
-            r = bench_gdn(T, shape, reps if T <= 2048 else max(2, reps - 2), variants, backward)
-            if best is None and variants:
-                best = min(variants, key=lambda n: r["cases"][n]["median_s"])
-                r["fastest_variant"] = best
-            gdn.append(r)
+            long_reps = max(2, reps - 2)
+            plan += [
+                (512, GDN_SHAPE, [PROPOSED], reps),
+                (8192, GDN_SHAPE, [PROPOSED], long_reps),
+                (2048, GDN_GROUPED, [PROPOSED], long_reps),
+            ]
+        for T, shape, variants, n in plan:
+            r = bench_gdn(T, shape, n, variants)
+            results["gdn"].append(r)
             print_gdn(r)
-            sys.stdout.flush()
-        results["gdn"] = gdn
+            checkpoint()
 
     if "model" in sections:
         shapes = [(1, 512), (1, 2048)] if quick else [(1, 512), (4, 512), (1, 2048), (4, 2048)]
         print("\nprefill (logits for all positions), fp32", flush=True)
-        results["model"] = [bench_model(n, c, shapes, model_reps) for n, c in MODELS.items()]
+        results["model"] = []
+        for n, c in MODELS.items():
+            results["model"].append(bench_model(n, c, shapes, model_reps))
+            checkpoint()
+
+    if "gdn" in sections and not quick:
+        # Last: the backward through solve_triangular has been seen to hang on this CPU
+        # (see docs/benchmarks.md); the watchdog then keeps everything measured before it.
+        r = bench_gdn_backward(2048, GDN_SHAPE, max(2, reps - 2), [PROPOSED])
+        results["gdn_backward"] = r
+        print_gdn_backward(r)
+        checkpoint()
 
     results["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     results["total_s"] = time.perf_counter() - t_start
+    print_summary(results)
     print(f"\ntotal {results['total_s']:.0f} s, load at end {results['machine']['load_avg_end']}")
     if not args.no_save:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        _save(results, args.out)
+        print(f"wrote {os.path.relpath(args.out)}")
     return 0
 
 

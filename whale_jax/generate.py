@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 import time
 
-import jax
 import jax.numpy as jnp
 from absl import app, flags
 
@@ -23,6 +22,7 @@ flags.DEFINE_bool("raw", False, "Feed the prompt as plain text, without the chat
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate at most.", lower_bound=1)
 flags.DEFINE_float("temperature", 0.0, "0 decodes greedily; > 0 samples.", lower_bound=0.0)
 flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: all).", lower_bound=0)
+flags.DEFINE_float("top_p", 1.0, "Sample from the smallest set of tokens with this mass.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and activations dtype.")
 
@@ -37,48 +37,13 @@ def prompt_ids(tokenizer, prompt: str, system: str | None, raw: bool) -> list[in
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def complete(
-    jitted,
-    ids: list[int],
-    *,
-    max_new_tokens: int,
-    eos_ids: tuple[int, ...],
-    temperature: float = 0.0,
-    top_k: int = 0,
-    seed: int = 0,
-) -> list[int]:
-    """Greedy or sampled continuation of one prompt (prefill, then one token per step)."""
-    max_len = len(ids) + max_new_tokens
-    logits, cache = jitted.prefill(
-        jnp.asarray([ids]), jnp.asarray([len(ids)]), max_len=max_len, last_only=True
-    )
-    key = jax.random.key(seed)
-    out: list[int] = []
-    for step in range(max_new_tokens):
-        row = logits[0]
-        if temperature > 0:
-            row = row / temperature
-            if top_k:
-                kth = jnp.sort(row)[-top_k]
-                row = jnp.where(row < kth, -jnp.inf, row)
-            token = int(jax.random.categorical(jax.random.fold_in(key, step), row))
-        else:
-            token = int(jnp.argmax(row))
-        out.append(token)
-        if token in eos_ids or step == max_new_tokens - 1:
-            break
-        logits, cache = jitted.extend(
-            cache, jnp.asarray([[token]]), jnp.asarray([1]), last_only=True
-        )
-    return out
-
-
 def main(argv):
     del argv
     if FLAGS.prompt is None:
         raise app.UsageError("--prompt is required")
+    from whale_jax.engine.engine import Engine, EngineConfig
+    from whale_jax.engine.requests import Request, Sampling
     from whale_jax.loading import load_model
-    from whale_jax.models.transformer import Jitted
 
     t0 = time.time()
     model, cfg, tokenizer = load_model(FLAGS.model, dtype=jnp.dtype(FLAGS.dtype))
@@ -89,15 +54,25 @@ def main(argv):
         (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     )
     t1 = time.time()
-    out = complete(
-        Jitted(model),
-        ids,
-        max_new_tokens=FLAGS.max_new_tokens,
+    engine = Engine(
+        model,
+        EngineConfig(slots=1, max_len=len(ids) + FLAGS.max_new_tokens, seed=FLAGS.seed),
         eos_ids=eos,
+        detokenize=tokenizer.decode,
+    )
+    sampling = Sampling(
         temperature=FLAGS.temperature,
         top_k=FLAGS.top_k,
-        seed=FLAGS.seed,
+        top_p=FLAGS.top_p,
+        max_new_tokens=FLAGS.max_new_tokens,
     )
+    try:
+        (done,) = engine.generate([Request(prompt_ids=tuple(ids), sampling=sampling)])
+    finally:
+        engine.close()
+    if done.error:
+        raise app.UsageError(f"generation failed: {done.error}")
+    out = list(done.token_ids)
     t2 = time.time()
     print(tokenizer.decode(out, skip_special_tokens=True).strip())
     print(

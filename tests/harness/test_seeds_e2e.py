@@ -3,6 +3,7 @@ plumbing reaches reward 1) and with the real engine (a tiny model) once whale_ja
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import chess
@@ -105,7 +106,9 @@ def engine_backend():
 @pytest.mark.parametrize("name", ["arith", "math", "searchqa", "chess"])
 def test_h0_with_the_engine(name, engine_backend, corpus, puzzles, math_tasks):
     domain, tasks = domains_and_tasks(corpus, puzzles, math_tasks)[name]
-    config = ExecutorConfig(concurrency=4, load_timeout_s=120.0)
+    # A small assistant-token budget keeps CPU decoding short; the executor clamps each call to it.
+    budgets = dataclasses.replace(domain.budgets, assistant_tokens=48)
+    config = ExecutorConfig(concurrency=4, load_timeout_s=120.0, budgets=budgets)
     with Executor(engine_backend, config) as ex:
         records = ex.run(domain.seed_harness(), domain, tasks[:2])
     for r in records:
