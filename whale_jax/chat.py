@@ -31,6 +31,8 @@ from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import Any, Protocol
 
+from harness.model_api import ToolCall  # one tool-call type from the model to the harness
+
 # A Qwen3.5-style template, written for this project from the published format (ChatML turns,
 # <think> blocks kept only after the last user query, <tool_call> XML, tool results grouped into
 # one user turn of <tool_response> blocks, thinking on by default). Real runs use the checkpoint's.
@@ -117,12 +119,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

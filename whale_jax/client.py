@@ -20,7 +20,6 @@ import threading
 from typing import Any
 
 from harness.model_api import ChatRequest, ChatResult
-from harness.model_api import ToolCall as HarnessToolCall
 from whale_jax.chat import ChatFormat, Session, Tokenizer, format_for
 from whale_jax.engine.engine import Engine, EngineConfig
 from whale_jax.engine.requests import Request, Sampling
@@ -166,9 +165,7 @@ class EngineClient:
             finish_reason=done.finish_reason,
             prompt_tokens=len(prompt),
             completion_tokens=len(ids),
-            tool_calls=tuple(
-                HarnessToolCall(name=t.name, arguments=t.arguments) for t in reply.tool_calls
-            ),
+            tool_calls=reply.tool_calls,
         )
 
     # -- sessions ----------------------------------------------------------------------------------
