@@ -105,9 +105,12 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(k, cfg, offset=offset, stack=stack, rngs=rngs)
             self.k_norm = RMSNorm(k, cfg, offset=offset, stack=stack, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None):
+    def __call__(self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None, layer=None):
         """cache: None (self-attention over the T tokens) or (k_BSNK, v_BSNK) for this layer, in
-        which case the new keys are written at ``lengths_B + t`` and the updated pair is returned."""
+        which case the new keys are written at ``lengths_B + t`` and the updated pair is returned.
+        With ``layer`` (a traced index g) the pair is the whole stack (k_GBSNK, v_GBSNK): the new
+        keys are scattered straight into layer g and only that layer is read, so the stack is
+        updated in place without slicing a layer out and writing it back."""
         cfg = self.cfg
         K = cfg.head_dim
         q_BTHX = jnp.einsum("btd,dhx->bthx", x_BTD, self.q_proj[...])
@@ -132,13 +135,17 @@ class Attention(nnx.Module):
             new_cache = None
         else:
             k_cache, v_cache = cache
-            S = k_cache.shape[1]
+            S = k_cache.shape[-3]
             # Pads (and anything past the cache) go to index S, which scatter drops.
             write_BT = jnp.where(valid_BT, positions_BT, S)
             rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
-            k_cache = k_cache.at[rows_B1, write_BT].set(k_BTNK.astype(k_cache.dtype), mode="drop")
-            v_cache = v_cache.at[rows_B1, write_BT].set(v_BTNK.astype(v_cache.dtype), mode="drop")
-            keys_BSNK, values_BSNK = k_cache, v_cache
+            at = (rows_B1, write_BT) if layer is None else (layer, rows_B1, write_BT)
+            k_cache = k_cache.at[at].set(k_BTNK.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[at].set(v_BTNK.astype(v_cache.dtype), mode="drop")
+            if layer is None:
+                keys_BSNK, values_BSNK = k_cache, v_cache
+            else:
+                keys_BSNK, values_BSNK = k_cache[layer], v_cache[layer]
             new_len_B = lengths_B + valid_BT.sum(-1)
             slots_S = jnp.arange(S)
             allowed_BTS = (slots_S[None, None, :] <= positions_BT[:, :, None]) & (

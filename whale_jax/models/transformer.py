@@ -55,10 +55,10 @@ class Block(nnx.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg, offset=off, stack=stack, rngs=rngs)
         self.mlp = MLP(cfg, stack=stack, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None):
+    def __call__(self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None, layer=None):
         h_BTD = self.input_norm(x_BTD)
         if self.kind == FULL:
-            h_BTD, cache = self.attn(h_BTD, positions_BT, valid_BT, cache, lengths_B)
+            h_BTD, cache = self.attn(h_BTD, positions_BT, valid_BT, cache, lengths_B, layer)
         else:
             h_BTD, cache = self.gdn(h_BTD, valid_BT, cache)
         x_BTD = x_BTD + h_BTD
@@ -103,10 +103,14 @@ class Transformer(nnx.Module):
                 if caches is None:
                     x_BTD, _ = blocks.block(i)(x_BTD, positions_BT, valid_BT)
                     continue
+                block = blocks.block(i)
+                if block.kind == FULL:
+                    # KV stacks are written in place at layer g (no slice-out / write-back).
+                    x_BTD, stacked = block(x_BTD, positions_BT, valid_BT, caches[i], lengths_B, g)
+                    new_caches.append(stacked)
+                    continue
                 layer_cache = jax.tree.map(lambda c: c[g], caches[i])
-                x_BTD, layer_cache = blocks.block(i)(
-                    x_BTD, positions_BT, valid_BT, layer_cache, lengths_B
-                )
+                x_BTD, layer_cache = block(x_BTD, positions_BT, valid_BT, layer_cache, lengths_B)
                 new_caches.append(jax.tree.map(lambda c, n: c.at[g].set(n), caches[i], layer_cache))
             return (x_BTD, None if caches is None else tuple(new_caches)), None
 
