@@ -12,12 +12,14 @@ Measures, in fp32 on the local CPU:
    ``save_pretrained`` writes it, ``whale_jax.load_model`` reads it back;
 3. XLA's and PyTorch's fp32 matmul rate, as context for the rest.
 
-Timing: every case is warmed up (JAX: the first call compiles, reported separately), then the cases
+Timing: every case is warmed up (JAX: an ahead-of-time compile, reported separately), then the cases
 of one comparison run round-robin, alternating order each repeat, so ours and the peer see the same
-background load; we report the median (and the best) wall time and the 1-minute load average. The
-machine may be shared: read speedups from the same run, not across runs.
+background load; we report the median (and the best) wall time, the process CPU time and the
+1-minute load average. The machine may be shared: read speedups from the same run, not across runs.
+``--cpus 1`` pins the process to one CPU before JAX and torch start, so both run single-threaded;
+on a shared two-core machine that is the comparison least disturbed by the neighbours.
 
-Run:  .venv/bin/python benchmarks/bench_model.py            (full, a few minutes)
+Run:  .venv/bin/python benchmarks/bench_model.py            (full, about five minutes)
       .venv/bin/python benchmarks/bench_model.py --quick    (about a minute)
 Writes benchmarks/results/model.json (``--out`` to change; ``--no-save`` to skip).
 """
@@ -141,10 +143,13 @@ class Watchdog:
         msg = f"watchdog: {label} did not finish within {self.limit_s:g} s; giving up"
         print(f"\n{msg}", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(all_threads=True)
-        if self.results is not None and self.out is not None:
+        if self.results is not None:
             self.results["error"] = msg
-            _save(self.results, self.out)
-            print(f"partial results in {self.out}", file=sys.stderr, flush=True)
+            print_summary(self.results)
+            if self.out is not None:
+                _save(self.results, self.out)
+                print(f"partial results in {self.out}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
         os._exit(3)
 
 
@@ -359,8 +364,10 @@ def gdn_hoisted(
     chunk_size=64,
     solver="trsm",
     block=32,
+    fuse_reads=False,
 ):
-    """Prototype: chunked gated delta rule with the chunk-local work hoisted out of the scan."""
+    """Prototype: chunked gated delta rule with the chunk-local work hoisted out of the scan.
+    ``fuse_reads``: read the state for W and decayed Q with one [2C, K] @ [K, V] matmul."""
     import jax
     import jax.numpy as jnp
 
@@ -406,8 +413,14 @@ def gdn_hoisted(
 
     def step(S_BHKV, xs):
         U_BHCV, W_BHCK, q_BHCK, attn_BHCC, k_BHCK, dec_BH11 = xs
-        v_new = U_BHCV - jnp.einsum("bhck,bhkv->bhcv", W_BHCK, S_BHKV)
-        out = jnp.einsum("bhck,bhkv->bhcv", q_BHCK, S_BHKV)
+        if fuse_reads:
+            WQ_BH2CK = jnp.concatenate([W_BHCK, q_BHCK], axis=-2)
+            read_BH2CV = jnp.einsum("bhck,bhkv->bhcv", WQ_BH2CK, S_BHKV)
+            v_new = U_BHCV - read_BH2CV[..., :C, :]
+            out = read_BH2CV[..., C:, :]
+        else:
+            v_new = U_BHCV - jnp.einsum("bhck,bhkv->bhcv", W_BHCK, S_BHKV)
+            out = jnp.einsum("bhck,bhkv->bhcv", q_BHCK, S_BHKV)
         out = out + jnp.einsum("bhij,bhjv->bhiv", attn_BHCC, v_new)
         S_BHKV = dec_BH11 * S_BHKV + jnp.einsum("bhck,bhcv->bhkv", k_BHCK, v_new)
         return S_BHKV, out
@@ -470,17 +483,54 @@ def gdn_inscan(
     return out_BTHV.astype(out_dtype), S
 
 
+def gdn_split_heads(
+    q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, *, parts=2, inner=None, **kwargs
+):
+    """Prototype: ``parts`` independent scans over disjoint groups of heads in one program, so
+    XLA's runtime can run them on different cores at once (one scan's small ops cannot use
+    more than one core well)."""
+    import jax.numpy as jnp
+
+    if inner == "lib":
+        from whale_jax.models.gated_delta import chunked_gated_delta_rule as inner
+    inner = inner or gdn_inscan
+    Hk, Hv = k_BTHK.shape[2], v_BTHV.shape[2]
+    parts = max(1, min(parts, Hk))
+    assert Hk % parts == 0, (Hk, parts)
+    hk, hv = Hk // parts, Hv // parts
+    outs, states = [], []
+    for i in range(parts):
+        ks, vs = slice(i * hk, (i + 1) * hk), slice(i * hv, (i + 1) * hv)
+        s0 = None if state_BHKV is None else state_BHKV[:, vs]
+        o, st = inner(
+            q_BTHK[:, :, ks],
+            k_BTHK[:, :, ks],
+            v_BTHV[:, :, vs],
+            g_BTH[:, :, vs],
+            beta_BTH[:, :, vs],
+            s0,
+            **kwargs,
+        )
+        outs.append(o)
+        states.append(st)
+    return jnp.concatenate(outs, axis=2), jnp.concatenate(states, axis=1)
+
+
 # name -> (function, keyword arguments)
 VARIANTS = {
     "inscan_block16": (gdn_inscan, dict(block=16)),
     "hoisted_trsm": (gdn_hoisted, dict(solver="trsm")),
     "hoisted_block16": (gdn_hoisted, dict(solver="block", block=16)),
     "hoisted_block32": (gdn_hoisted, dict(solver="block", block=32)),
+    "hoisted_block16_fused": (gdn_hoisted, dict(solver="block", block=16, fuse_reads=True)),
+    "inscan_block32": (gdn_inscan, dict(block=32)),
+    "split2_inscan_block16": (gdn_split_heads, dict(parts=2, block=16)),
+    "split2_lib": (gdn_split_heads, dict(parts=2, inner="lib")),
 }
 
 
 DEFAULT_VARIANTS = ("inscan_block16", "hoisted_block16")
-PROPOSED = "hoisted_block16"  # the variant also run at the other shapes and in the backward pass
+PROPOSED = "inscan_block16"  # the variant also run at the other shapes and in the backward pass
 
 
 def _variant(name):
@@ -575,7 +625,7 @@ def bench_gdn(T, shape, repeats, variants, B=1) -> dict:
     return result
 
 
-def bench_gdn_backward(T, shape, repeats, variants, B=1) -> dict:
+def bench_gdn_backward(T, shape, repeats, variants, B=1, with_ours=True) -> dict:
     """Forward + backward of sum(out): jax.grad w.r.t. all five inputs vs torch autograd."""
     import jax
     import jax.numpy as jnp
@@ -600,8 +650,9 @@ def bench_gdn_backward(T, shape, repeats, variants, B=1) -> dict:
         return [x.grad for x in xs]
 
     cases, warm = {}, {}
-    ours = functools.partial(chunked_gated_delta_rule, chunk_size=CHUNK)
-    cases["ours"], warm["ours"] = _compiled_case(grad_of(ours), jargs)
+    if with_ours:
+        ours = functools.partial(chunked_gated_delta_rule, chunk_size=CHUNK)
+        cases["ours"], warm["ours"] = _compiled_case(grad_of(ours), jargs)
     cases["torch"] = torch_case
     warm["torch"] = lambda: torch_case([t[:, : 4 * CHUNK] for t in targs])
     for name in variants:
@@ -830,6 +881,18 @@ def main(argv=None) -> int:
         default="default",
         help="GDN prototypes at T=2048: the default few, or all of VARIANTS",
     )
+    p.add_argument(
+        "--cpus",
+        type=int,
+        default=0,
+        help="pin the process to this many CPUs before JAX and torch start (0: all); with 1,"
+        " both run single-threaded and timings stop depending on the neighbours' load",
+    )
+    p.add_argument(
+        "--ours-backward",
+        action="store_true",
+        help="time the library's GDN backward also when multi-threaded (it may deadlock)",
+    )
     p.add_argument("--verbose", action="store_true", help="log every warm-up and timed call")
     p.add_argument(
         "--watchdog",
@@ -840,6 +903,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     global VERBOSE
     VERBOSE = args.verbose
+    if args.cpus > 0:
+        # Before jax/torch are imported: both size their thread pools from the affinity mask.
+        if "jax" in sys.modules or "torch" in sys.modules:
+            raise SystemExit("--cpus must take effect before jax and torch are imported")
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
     if hasattr(faulthandler, "register"):
         import signal
 
@@ -847,7 +915,7 @@ def main(argv=None) -> int:
     WATCHDOG.limit_s = args.watchdog
     sections = set(args.only or ["matmul", "gdn", "model"])
     quick = args.quick
-    reps = args.repeats or (3 if quick else 5)
+    reps = args.repeats or (3 if quick else 7)
     model_reps = args.repeats or (2 if quick else 3)
 
     t_start = time.perf_counter()
@@ -860,13 +928,13 @@ def main(argv=None) -> int:
     )
     results = {
         "machine": machine,
+        "cpus_pinned": args.cpus,
         "quick": quick,
         "repeats": reps,
         "model_repeats": model_reps,
         "timing": "median wall time over round-robin repeats after one warm-up call",
     }
-    if not args.no_save:
-        WATCHDOG.results, WATCHDOG.out = results, args.out
+    WATCHDOG.results, WATCHDOG.out = results, (None if args.no_save else args.out)
 
     def checkpoint():
         if not args.no_save:
@@ -889,7 +957,7 @@ def main(argv=None) -> int:
         explore = list(VARIANTS) if args.variants == "all" else list(DEFAULT_VARIANTS)
         plan = [(2048, GDN_SHAPE, [PROPOSED] if quick else explore, reps)]
         if not quick:
-            long_reps = max(2, reps - 2)
+            long_reps = max(3, reps - 4)
             plan += [
                 (512, GDN_SHAPE, [PROPOSED], reps),
                 (8192, GDN_SHAPE, [PROPOSED], long_reps),
@@ -910,9 +978,12 @@ def main(argv=None) -> int:
             checkpoint()
 
     if "gdn" in sections and not quick:
-        # Last: the backward through solve_triangular has been seen to hang on this CPU
-        # (see docs/benchmarks.md); the watchdog then keeps everything measured before it.
-        r = bench_gdn_backward(2048, GDN_SHAPE, max(2, reps - 2), [PROPOSED])
+        # Last, and ours only when single-threaded or asked for: jax.grad through
+        # solve_triangular deadlocks XLA's multi-threaded CPU runtime here (docs/benchmarks.md).
+        # If it hangs anyway, the watchdog keeps everything measured before it.
+        with_ours = args.cpus == 1 or args.ours_backward
+        results["gdn_backward_ours_skipped"] = not with_ours
+        r = bench_gdn_backward(2048, GDN_SHAPE, max(3, reps - 4), [PROPOSED], with_ours=with_ours)
         results["gdn_backward"] = r
         print_gdn_backward(r)
         checkpoint()
