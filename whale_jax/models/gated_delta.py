@@ -11,7 +11,7 @@ training) splits the sequence into chunks of C tokens. Inside a chunk, with cumu
 G_i = g_1 + ... + g_i and the decay between positions D_ij = exp(G_i - G_j) for i >= j,
 
     A_ij = beta_i (k_i . k_j) D_ij                  (strictly lower triangular, i > j)
-    (I + A) U = beta * V,   (I + A) W = beta * exp(G) * K        (triangular solves)
+    (I + A) U = beta * V,   (I + A) W = beta * exp(G) * K        (unit-lower solves, matmuls only)
     V' = U - W S_0                                  (the part of V the old state does not predict)
     O  = exp(G) * (Q S_0) + ((Q K^T) o D) V'        (o: element-wise, lower triangle incl. diagonal)
     S_C = exp(G_C) S_0 + (exp(G_C - G) * K)^T V'
@@ -37,6 +37,38 @@ def _expand_heads(x_BTHK: Array, num_value_heads: int) -> Array:
     # Grouped value heads: key/query head h serves value heads h*r .. h*r + r - 1.
     rep = num_value_heads // x_BTHK.shape[2]
     return x_BTHK if rep == 1 else jnp.repeat(x_BTHK, rep, axis=2)
+
+
+def _unit_lower_inverse(A: Array) -> Array:
+    """(I + A)^-1 for strictly lower-triangular A [..., b, b]: A is nilpotent, so with N = -A,
+    (I - N)^-1 = (I + N)(I + N^2)(I + N^4)... and log2(b) squarings give it exactly."""
+    b = A.shape[-1]
+    power = -A
+    inverse = jnp.eye(b, dtype=A.dtype) + power
+    span = 2
+    while span < b:
+        power = power @ power
+        inverse = inverse + inverse @ power
+        span *= 2
+    return inverse
+
+
+def solve_unit_lower(A: Array, rhs: Array, block: int = 16) -> Array:
+    """Solves (I + A) X = rhs for strictly lower-triangular A [..., C, C] with matmuls only: block
+    forward substitution over b x b diagonal blocks, each inverted by repeated squaring. Matmuls
+    keep accelerators busy and differentiate cheaply, where a triangular solve does neither."""
+    C = A.shape[-1]
+    b = min(block, C)
+    if C % b:
+        return jax.scipy.linalg.solve_triangular(A, rhs, lower=True, unit_diagonal=True)
+    parts: list[Array] = []
+    for i in range(C // b):
+        lo, hi = i * b, (i + 1) * b
+        r = rhs[..., lo:hi, :]
+        if parts:
+            r = r - A[..., lo:hi, :lo] @ jnp.concatenate(parts, axis=-2)
+        parts.append(_unit_lower_inverse(A[..., lo:hi, lo:hi]) @ r)
+    return jnp.concatenate(parts, axis=-2)
 
 
 def recurrent_gated_delta_rule(
@@ -115,7 +147,7 @@ def chunked_gated_delta_rule(
         rhs = jnp.concatenate(
             [v_BHCV * beta_BHC[..., None], k_BHCK * (beta_BHC * jnp.exp(G_BHC))[..., None]], -1
         )
-        solved = jax.scipy.linalg.solve_triangular(A_BHCC, rhs, lower=True, unit_diagonal=True)
+        solved = solve_unit_lower(A_BHCC, rhs)
         U_BHCV, W_BHCK = solved[..., :V], solved[..., V:]
         v_new_BHCV = U_BHCV - jnp.einsum("bhck,bhkv->bhcv", W_BHCK, S_BHKV)
         attn_BHCC = jnp.einsum("bhik,bhjk->bhij", q_BHCK, k_BHCK) * decay_BHCC
