@@ -307,12 +307,15 @@ def bench_matmul(n: int, repeats: int) -> dict:
 # ------------------------------------------------------------------------------------------------
 # 1. gated delta rule: prototype variants of our kernel
 #
-# Same math as whale_jax.models.gated_delta.chunked_gated_delta_rule (see its docstring), but all
-# chunk-local work (decays, the (I + A) solve, Q K^T) runs batched over every chunk *before* the
-# scan, as transformers does; the scan then only carries the state through four matmuls per chunk.
-# The block solve replaces solve_triangular by forward substitution over b x b diagonal blocks
-# whose inverses come from repeated squaring: for strictly lower (nilpotent) A,
-# (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...  (log2 b matmuls).
+# Same math as whale_jax.models.gated_delta.chunked_gated_delta_rule (see its docstring), arranged
+# differently, each checked against transformers in the same run:
+# - gdn_inscan: the library's structure (everything inside a rematerialised scan body) with a
+#   choice of solver for the (I + A) system: "trsm" = jax.scipy.linalg.solve_triangular (what the
+#   library did before it switched to matmuls), "block" = the library's solve_unit_lower (block
+#   forward substitution, b x b diagonal blocks inverted by repeated squaring) at another block;
+# - gdn_hoisted: all chunk-local work (decays, the solve, Q K^T) batched over every chunk *before*
+#   the scan, as transformers does; the scan then only carries the state through four matmuls;
+# - gdn_split_heads: independent scans over disjoint head groups, for two cores to share.
 
 
 def _expand_heads(x, num_value_heads):
@@ -322,35 +325,17 @@ def _expand_heads(x, num_value_heads):
     return x if rep == 1 else jnp.repeat(x, rep, axis=2)
 
 
-def _unit_lower_inverse(A, size):
-    """(I + A)^-1 for strictly lower-triangular A [..., size, size], by repeated squaring."""
-    import jax.numpy as jnp
+def _solve(A, rhs, solver, block):
+    """(I + A) X = rhs for strictly lower A [..., C, C]."""
+    import jax
 
-    power = -A
-    inv = jnp.eye(size, dtype=A.dtype) + power
-    n = 2
-    while n < size:
-        power = power @ power
-        inv = inv + inv @ power
-        n *= 2
-    return inv
+    from whale_jax.models.gated_delta import solve_unit_lower
 
-
-def _block_solve(A, rhs, block):
-    """Solves (I + A) X = rhs, A strictly lower [..., C, C], by block forward substitution."""
-    import jax.numpy as jnp
-
-    C = A.shape[-1]
-    b = min(block, C)
-    assert C % b == 0, (C, b)
-    xs = []
-    for i in range(C // b):
-        lo, hi = i * b, (i + 1) * b
-        r = rhs[..., lo:hi, :]
-        if i:
-            r = r - A[..., lo:hi, :lo] @ jnp.concatenate(xs, axis=-2)
-        xs.append(_unit_lower_inverse(A[..., lo:hi, lo:hi], b) @ r)
-    return jnp.concatenate(xs, axis=-2)
+    if solver == "trsm":
+        return jax.scipy.linalg.solve_triangular(A, rhs, lower=True, unit_diagonal=True)
+    if solver == "block":
+        return solve_unit_lower(A, rhs, block=block)
+    raise ValueError(solver)
 
 
 def gdn_hoisted(
@@ -398,12 +383,7 @@ def gdn_hoisted(
     A = jnp.where(lower_strict, beta[..., :, None] * kk * decay, 0.0)
     eG = jnp.exp(G)
     rhs = jnp.concatenate([v * beta[..., None], k * (beta * eG)[..., None]], -1)
-    if solver == "trsm":
-        solved = jax.scipy.linalg.solve_triangular(A, rhs, lower=True, unit_diagonal=True)
-    elif solver == "block":
-        solved = _block_solve(A, rhs, block)
-    else:
-        raise ValueError(solver)
+    solved = _solve(A, rhs, solver, block)
     U, W = solved[..., :V], solved[..., V:]
     attn = jnp.einsum("nbhik,nbhjk->nbhij", q, k) * decay
     q_dec = q * eG[..., None]
@@ -431,10 +411,19 @@ def gdn_hoisted(
 
 
 def gdn_inscan(
-    q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, *, chunk_size=64, block=16
+    q_BTHK,
+    k_BTHK,
+    v_BTHV,
+    g_BTH,
+    beta_BTH,
+    state_BHKV=None,
+    *,
+    chunk_size=64,
+    solver="block",
+    block=16,
 ):
-    """Prototype: the library's structure (all work inside a rematerialised scan body), with the
-    block solve in place of solve_triangular. Isolates the solver change from the hoisting."""
+    """Prototype: the library's structure (all work inside a rematerialised scan body) with a
+    choice of solver; ``solver="trsm"`` is the library before it switched to matmuls."""
     import jax
     import jax.numpy as jnp
 
@@ -467,7 +456,7 @@ def gdn_inscan(
         kk = jnp.einsum("bhik,bhjk->bhij", k, k)
         A = jnp.where(lower_strict, beta[..., :, None] * kk * decay, 0.0)
         rhs = jnp.concatenate([v * beta[..., None], k * (beta * jnp.exp(G))[..., None]], -1)
-        solved = _block_solve(A, rhs, block)
+        solved = _solve(A, rhs, solver, block)
         U, W = solved[..., :V], solved[..., V:]
         v_new = U - jnp.einsum("bhck,bhkv->bhcv", W, S)
         attn = jnp.einsum("bhik,bhjk->bhij", q, k) * decay
@@ -491,9 +480,8 @@ def gdn_split_heads(
     more than one core well)."""
     import jax.numpy as jnp
 
-    if inner == "lib":
+    if inner in (None, "lib"):
         from whale_jax.models.gated_delta import chunked_gated_delta_rule as inner
-    inner = inner or gdn_inscan
     Hk, Hv = k_BTHK.shape[2], v_BTHV.shape[2]
     parts = max(1, min(parts, Hk))
     assert Hk % parts == 0, (Hk, parts)
@@ -518,19 +506,15 @@ def gdn_split_heads(
 
 # name -> (function, keyword arguments)
 VARIANTS = {
-    "inscan_block16": (gdn_inscan, dict(block=16)),
-    "hoisted_trsm": (gdn_hoisted, dict(solver="trsm")),
+    "old_trsm": (gdn_inscan, dict(solver="trsm")),
+    "inscan_block32": (gdn_inscan, dict(solver="block", block=32)),
     "hoisted_block16": (gdn_hoisted, dict(solver="block", block=16)),
-    "hoisted_block32": (gdn_hoisted, dict(solver="block", block=32)),
     "hoisted_block16_fused": (gdn_hoisted, dict(solver="block", block=16, fuse_reads=True)),
-    "inscan_block32": (gdn_inscan, dict(block=32)),
-    "split2_inscan_block16": (gdn_split_heads, dict(parts=2, block=16)),
-    "split2_lib": (gdn_split_heads, dict(parts=2, inner="lib")),
+    "hoisted_trsm": (gdn_hoisted, dict(solver="trsm")),
+    "split2": (gdn_split_heads, dict(parts=2, inner="lib")),
 }
-
-
-DEFAULT_VARIANTS = ("inscan_block16", "hoisted_block16")
-PROPOSED = "inscan_block16"  # the variant also run at the other shapes and in the backward pass
+# At T=2048 by default: the library before its solver change, and the transformers-like layout.
+DEFAULT_VARIANTS = ("old_trsm", "hoisted_block16")
 
 
 def _variant(name):
@@ -625,7 +609,7 @@ def bench_gdn(T, shape, repeats, variants, B=1) -> dict:
     return result
 
 
-def bench_gdn_backward(T, shape, repeats, variants, B=1, with_ours=True) -> dict:
+def bench_gdn_backward(T, shape, repeats, variants, B=1) -> dict:
     """Forward + backward of sum(out): jax.grad w.r.t. all five inputs vs torch autograd."""
     import jax
     import jax.numpy as jnp
@@ -650,9 +634,8 @@ def bench_gdn_backward(T, shape, repeats, variants, B=1, with_ours=True) -> dict
         return [x.grad for x in xs]
 
     cases, warm = {}, {}
-    if with_ours:
-        ours = functools.partial(chunked_gated_delta_rule, chunk_size=CHUNK)
-        cases["ours"], warm["ours"] = _compiled_case(grad_of(ours), jargs)
+    ours = functools.partial(chunked_gated_delta_rule, chunk_size=CHUNK)
+    cases["ours"], warm["ours"] = _compiled_case(grad_of(ours), jargs)
     cases["torch"] = torch_case
     warm["torch"] = lambda: torch_case([t[:, : 4 * CHUNK] for t in targs])
     for name in variants:
@@ -888,11 +871,6 @@ def main(argv=None) -> int:
         help="pin the process to this many CPUs before JAX and torch start (0: all); with 1,"
         " both run single-threaded and timings stop depending on the neighbours' load",
     )
-    p.add_argument(
-        "--ours-backward",
-        action="store_true",
-        help="time the library's GDN backward also when multi-threaded (it may deadlock)",
-    )
     p.add_argument("--verbose", action="store_true", help="log every warm-up and timed call")
     p.add_argument(
         "--watchdog",
@@ -952,16 +930,15 @@ def main(argv=None) -> int:
         checkpoint()
 
     if "gdn" in sections:
-        results["gdn_proposed_variant"] = PROPOSED
         results["gdn"] = []
         explore = list(VARIANTS) if args.variants == "all" else list(DEFAULT_VARIANTS)
-        plan = [(2048, GDN_SHAPE, [PROPOSED] if quick else explore, reps)]
+        plan = [(2048, GDN_SHAPE, [] if quick else explore, reps)]
         if not quick:
             long_reps = max(3, reps - 4)
             plan += [
-                (512, GDN_SHAPE, [PROPOSED], reps),
-                (8192, GDN_SHAPE, [PROPOSED], long_reps),
-                (2048, GDN_GROUPED, [PROPOSED], long_reps),
+                (512, GDN_SHAPE, [], reps),
+                (8192, GDN_SHAPE, [], long_reps),
+                (2048, GDN_GROUPED, [], long_reps),
             ]
         for T, shape, variants, n in plan:
             r = bench_gdn(T, shape, n, variants)
@@ -978,12 +955,10 @@ def main(argv=None) -> int:
             checkpoint()
 
     if "gdn" in sections and not quick:
-        # Last, and ours only when single-threaded or asked for: jax.grad through
-        # solve_triangular deadlocks XLA's multi-threaded CPU runtime here (docs/benchmarks.md).
-        # If it hangs anyway, the watchdog keeps everything measured before it.
-        with_ours = args.cpus == 1 or args.ours_backward
-        results["gdn_backward_ours_skipped"] = not with_ours
-        r = bench_gdn_backward(2048, GDN_SHAPE, max(3, reps - 4), [PROPOSED], with_ours=with_ours)
+        # Last: jax.grad through solve_triangular (the library's solver until 2026-12-02)
+        # deadlocked XLA's multi-threaded CPU runtime here; should a backward hang again, the
+        # watchdog keeps everything measured before it.
+        r = bench_gdn_backward(2048, GDN_SHAPE, max(3, reps - 4), [])
         results["gdn_backward"] = r
         print_gdn_backward(r)
         checkpoint()
