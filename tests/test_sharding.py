@@ -35,19 +35,57 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_sharded_forward_equals_single_device():
+ENGINE_SCRIPT = textwrap.dedent(
+    """
+    import jax, numpy as np
+    from whale_jax import load_model
+    from whale_jax.engine import Engine, EngineConfig, Request, Sampling
+    from whale_jax.sharding import make_mesh
+    assert jax.device_count() == 8, jax.devices()
+    path = "tests/fixtures/tiny_qwen3_5"
+    engine = Engine(load_model(path).model, EngineConfig(slots=2, max_len=64, steps=4), eos_ids=())
+    reqs = [Request(prompt_ids=(5, 9, 200, 31, 7), identity=(i,),
+                    sampling=Sampling(temperature=1.0, top_k=20, max_new_tokens=6))
+            for i in range(3)]
+    from whale_jax.engine import device
+    before = [o.token_ids for o in engine.generate(reqs)]
+    assert [o.token_ids for o in engine.generate(reqs)] == before  # every shape compiled now
+    compiled = [f._cache_size() for f in (device._prefill, device._insert, device._generate)]
+    # The trainer's copy of the same weights, FSDP/TP-sharded over 8 devices.
+    trained = load_model(path, mesh=make_mesh(data=2, fsdp=2, tp=2)).model
+    assert len(trained.blocks.b0.mlp.up_proj.get_value().sharding.device_set) > 1
+    engine.set_params(trained)
+    leaves = jax.tree.leaves(engine.device.params)
+    assert all(len(a.sharding.device_set) == 1 for a in leaves)  # resharded into the engine's
+    after = [o.token_ids for o in engine.generate(reqs)]
+    assert after == before, (before, after)
+    now = [f._cache_size() for f in (device._prefill, device._insert, device._generate)]
+    assert now == compiled, (compiled, now)  # jit caches hold no new executable
+    print("RESHARDED OK")
+    """
+)
+
+
+def run_on_8_devices(script: str) -> subprocess.CompletedProcess:
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=400,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_engine_takes_weights_from_a_sharded_trainer():
+    """set_params with FSDP/TP-sharded weights: moved device to device into the engine's layout,
+    same samples, no recompilation."""
+    assert "RESHARDED OK" in run_on_8_devices(ENGINE_SCRIPT).stdout
+
+
+def test_sharded_forward_equals_single_device():
+    proc = run_on_8_devices(SCRIPT)
     assert "MAXERR" in proc.stdout
     # Heads / MLP on tp, the model dimension on fsdp.
     assert "(None, 'fsdp', 'tp', None)" in proc.stdout

@@ -175,3 +175,50 @@ def test_new_weights_without_recompiling(setup):
     assert after != before
     assert engine.generate([req])[0].token_ids == before
     assert engine.compile_counts == counts
+
+
+def test_scanned_decoding_equals_unrolled(tiny_qwen3_5):
+    """The accelerator path (layers scanned over stacked weights) and the CPU default (unrolled
+    over per-group weights) sample the same tokens, fresh and resumed from a parked state."""
+    model, cfg, _ = tiny_qwen3_5
+    prompts = prompts_for(cfg.vocab_size, seed=9)
+    outs = {}
+    for unroll in (False, True):
+        engine = Engine(
+            model,
+            EngineConfig(slots=3, max_len=64, steps=4, prefill_batch=4, unroll_layers=unroll),
+            eos_ids=(),
+        )
+        assert engine.device.unroll is unroll and (engine.device.groups is None) is not unroll
+        reqs = [Request(prompt_ids=p, sampling=SAMPLED, identity=(i,), park=f"s{i}")
+                for i, p in enumerate(prompts)]  # fmt: skip
+        first = engine.generate(reqs)
+        follow = [
+            Request(prompt_ids=p + o.token_ids + (1, 2), sampling=SAMPLED, identity=(i, 1),
+                    resume=f"s{i}")
+            for i, (p, o) in enumerate(zip(prompts, first, strict=True))
+        ]  # fmt: skip
+        second = engine.generate(follow)
+        assert any(o.reused_tokens > 0 for o in second)
+        outs[unroll] = [o.token_ids for o in first + second]
+        engine.close()
+    assert outs[False] == outs[True]
+
+
+def test_a_failing_admission_fails_its_requests_and_the_engine_goes_on(setup, monkeypatch):
+    """A device error while prefilling (injected: a real one cannot be provoked on demand) fails
+    the requests being admitted, with the error named; nothing hangs and the next call works."""
+    _, cfg, engine = setup
+    prompt = prompts_for(cfg.vocab_size, lengths=(7,), seed=10)[0]
+    req = Request(prompt_ids=prompt, sampling=greedy(3))
+    good = engine.generate([req])[0]
+    real = engine.device.prefill
+
+    def broken(*args):
+        monkeypatch.setattr(engine.device, "prefill", real)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.device, "prefill", broken)
+    failed = engine.submit(req).result(timeout=120)
+    assert failed.finish_reason == "error" and "device lost" in failed.error
+    assert engine.generate([req])[0].token_ids == good.token_ids

@@ -31,10 +31,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import SingleDeviceSharding
 
 from whale_jax.config import FULL
 from whale_jax.engine.sampling import SlotSampling, sample
-from whale_jax.models.transformer import DecodeCache, Transformer
+from whale_jax.models.transformer import DecodeCache, Transformer, split_groups
 
 Array = jax.Array
 
@@ -100,17 +101,16 @@ def _gather_rows(src: DecodeCache, rows) -> DecodeCache:
 # The jitted steps are module-level with the graph definition as a static argument, so engines
 # over models of one config share compilations (tests and benchmarks build several engines).
 @functools.partial(jax.jit, static_argnums=0)
-def _prefill(graphdef, params, tokens_PT, lengths_P) -> Prefix:
+def _prefill(graphdef, params, groups, tokens_PT, lengths_P) -> Prefix:
     model = nnx.merge(graphdef, params)
-    logits, cache = model.prefill(tokens_PT, lengths_P, max_len=tokens_PT.shape[1], last_only=True)
+    T = tokens_PT.shape[1]
+    logits, cache = model.prefill(tokens_PT, lengths_P, max_len=T, last_only=True, groups=groups)
     return Prefix(logits, cache)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _resume(graphdef, params, park: DecodeCache, rows_P, tokens_PT, n_new_P) -> Prefix:
-    model = nnx.merge(graphdef, params)
-    logits, cache = model.extend(_gather_rows(park, rows_P), tokens_PT, n_new_P, last_only=True)
-    return Prefix(logits, cache)
+@jax.jit
+def _split_groups(params):
+    return split_groups(params["blocks"])
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
@@ -145,6 +145,20 @@ def _window(cache: DecodeCache, kv: tuple[bool, ...], length: int) -> DecodeCach
     return DecodeCache(lengths=cache.lengths, layers=layers)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _resume(
+    graphdef, kv, kv_len, params, groups, park: DecodeCache, rows_P, tokens_PT, n_new_P
+) -> Prefix:
+    """Continues parked rows; attention reads only the first ``kv_len`` (static, a bucket that
+    bounds every row after the new tokens) positions, and the prefix has that capacity."""
+    model = nnx.merge(graphdef, params)
+    cache = _gather_rows(park, rows_P)
+    if kv_len < cache.capacity:
+        cache = _window(cache, kv, kv_len)
+    logits, cache = model.extend(cache, tokens_PT, n_new_P, last_only=True, groups=groups)
+    return Prefix(logits, cache)
+
+
 def _unwindow(full: DecodeCache, part: DecodeCache, kv: tuple[bool, ...]) -> DecodeCache:
     layers = tuple(
         tuple(f.at[:, :, : p.shape[2]].set(p) for f, p in zip(fp, pp, strict=True)) if is_kv else pp
@@ -153,10 +167,13 @@ def _unwindow(full: DecodeCache, part: DecodeCache, kv: tuple[bool, ...]) -> Dec
     return DecodeCache(lengths=part.lengths, layers=layers)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=6)
-def _generate(graphdef, kv, steps, max_top_k, kv_len, params, state: DecodeState, occupied_B):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=7)
+def _generate(
+    graphdef, kv, steps, max_top_k, kv_len, params, groups, state: DecodeState, occupied_B
+):
     """``kv_len`` (static, a bucket) bounds every active slot's length for this call: the loop runs
-    on that window of the KV cache, so each step reads kv_len positions instead of the capacity."""
+    on that window of the KV cache, so each step reads kv_len positions instead of the capacity.
+    ``groups`` (per-group weights, or None to scan the stacked ones) is passed to ``extend``."""
     model = nnx.merge(graphdef, params)
     B = occupied_B.shape[0]
     out0 = jnp.full((B, steps), -1, jnp.int32)
@@ -180,7 +197,7 @@ def _generate(graphdef, kv, steps, max_top_k, kv_len, params, state: DecodeState
         hit_stop = jnp.any(tok_B[:, None] == st.stop_ids, axis=1)
         still_B = act_B & ~hit_stop & (count < st.max_new)
         logits, cache = model.extend(
-            st.cache, tok_B[:, None], still_B.astype(jnp.int32), last_only=True
+            st.cache, tok_B[:, None], still_B.astype(jnp.int32), last_only=True, groups=groups
         )
         st = st.replace(cache=cache, logits=logits, count=count, active=still_B)
         return i + 1, st, out
@@ -197,7 +214,13 @@ def _park(kv, park_cache: DecodeCache, cache: DecodeCache, slots_M, rows_M) -> D
 
 
 class DeviceEngine:
-    """Jitted prefill / resume / insert / generate / park for one model and a fixed slot count."""
+    """Jitted prefill / resume / insert / generate / park for one model and a fixed slot count.
+
+    ``unroll``: prefill, resume and generate run the layers unrolled over a per-group copy of the
+    block weights (made on device at each ``set_params``) instead of scanning the stacked ones.
+    XLA CPU copies a layer's weight slice out of the stack on every scan step, which at batch 1
+    costs more than the matmuls; the copy doubles the block weights' memory, and compile time
+    grows with depth. None = on where the default backend is the CPU."""
 
     def __init__(
         self,
@@ -209,11 +232,22 @@ class DeviceEngine:
         steps: int = 8,
         max_top_k: int = 64,
         max_stop_ids: int = 8,
+        unroll: bool | None = None,
     ):
         self.cfg = model.cfg
         self.slots, self.max_len, self.park_slots = slots, max_len, park_slots
         self.steps, self.max_top_k, self.max_stop_ids = steps, max_top_k, max_stop_ids
+        self.unroll = jax.default_backend() == "cpu" if unroll is None else bool(unroll)
         self.graphdef, self.params = nnx.split(model)
+        # The engine's layout: weights from elsewhere (a trainer's mesh) are moved into it on
+        # device, so every compiled step keeps its input shardings and never recompiles.
+        self.shardings = jax.tree.map(lambda a: a.sharding, self.params)
+        # Committed arrays everywhere (weights, the decode state): a jitted call's signature then
+        # stays the same from the first call on, whichever arrays the weights later come from.
+        self.params = jax.device_put(self.params, self.shardings)
+        devices = {d for sharding in jax.tree.leaves(self.shardings) for d in sharding.device_set}
+        self._home = SingleDeviceSharding(devices.pop()) if len(devices) == 1 else None
+        self.groups = _split_groups(self.params) if self.unroll else None
         self._model_dtype = model.dtype
         self.kv = _is_kv(self.cfg.layer_types[: self.cfg.period])
         self.signatures: dict[str, set] = {}  # distinct compiled shapes per function
@@ -221,13 +255,16 @@ class DeviceEngine:
         self.park_cache = self._init_cache(park_slots)
 
     # -- state ---------------------------------------------------------------------------------
+    def _commit(self, tree):
+        return tree if self._home is None else jax.device_put(tree, self._home)
+
     def _init_cache(self, rows: int) -> DecodeCache:
         model = nnx.merge(self.graphdef, self.params)
-        return model.init_cache(rows, self.max_len)
+        return self._commit(model.init_cache(rows, self.max_len))
 
     def empty_state(self) -> DecodeState:
         B = self.slots
-        return DecodeState(
+        return self._commit(DecodeState(
             cache=self._init_cache(B),
             logits=jnp.zeros((B, self.cfg.vocab_size), jnp.float32),
             count=jnp.zeros((B,), jnp.int32),
@@ -235,14 +272,16 @@ class DeviceEngine:
             active=jnp.zeros((B,), bool),
             stop_ids=jnp.full((B, self.max_stop_ids), -1, jnp.int32),
             sampling=SlotSampling.zeros(B),
-        )
+        ))  # fmt: skip
 
     def set_params(self, params) -> None:
-        """New weights (an ``nnx.State`` of the same structure, or a model); no recompile when the
-        shapes, dtypes and shardings match. Arrays already on device are used as they are."""
+        """New weights (an ``nnx.State`` of the same structure, or a model). Arrays already in the
+        engine's layout are used as they are; others (e.g. a trainer's FSDP shards) are resharded
+        device to device into it, never through the host, so nothing recompiles."""
         if isinstance(params, nnx.Module):
             _, params = nnx.split(params)
-        self.params = params
+        self.params = jax.device_put(params, self.shardings)
+        self.groups = _split_groups(self.params) if self.unroll else None
 
     def _note(self, name: str, *shapes) -> None:
         self.signatures.setdefault(name, set()).add(shapes)
@@ -254,11 +293,17 @@ class DeviceEngine:
     # -- the five steps --------------------------------------------------------------------------
     def prefill(self, tokens_PT, lengths_P) -> Prefix:
         self._note("prefill", tokens_PT.shape)
-        return _prefill(self.graphdef, self.params, tokens_PT, lengths_P)
+        return _prefill(self.graphdef, self.params, self.groups, tokens_PT, lengths_P)
 
-    def resume(self, rows_P, tokens_PT, n_new_P) -> Prefix:
-        self._note("resume", tokens_PT.shape)
-        return _resume(self.graphdef, self.params, self.park_cache, rows_P, tokens_PT, n_new_P)
+    def resume(self, rows_P, tokens_PT, n_new_P, kv_len: int | None = None) -> Prefix:
+        """Continues parked rows by their new tokens; ``kv_len`` bounds every row's length after
+        them (None: the whole capacity)."""
+        kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
+        self._note("resume", tokens_PT.shape, kv_len)
+        return _resume(
+            self.graphdef, self.kv, kv_len, self.params, self.groups, self.park_cache,
+            rows_P, tokens_PT, n_new_P,
+        )  # fmt: skip
 
     def insert(self, prefix: Prefix, init: SlotInit) -> None:
         self._note(
@@ -289,6 +334,7 @@ class DeviceEngine:
             self.max_top_k,
             kv_len,
             self.params,
+            self.groups,
             self.state,
             jnp.asarray(occupied_B),
         )

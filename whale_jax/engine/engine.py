@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+import jax
 import numpy as np
 
 from whale_jax.engine.device import (
@@ -54,6 +55,8 @@ class EngineConfig:
     max_stop_ids: int = 8
     park_slots: int | None = None  # parked session states kept on device; default = slots
     seed: int = 0
+    unroll_layers: bool | None = None  # decode over per-layer weights; None = on CPU (DeviceEngine)
+    sync_timings: bool = False  # wait for each admission's device work so timings split it out
 
 
 @dataclasses.dataclass
@@ -104,6 +107,7 @@ class Engine:
             steps=c.steps,
             max_top_k=c.max_top_k,
             max_stop_ids=c.max_stop_ids,
+            unroll=c.unroll_layers,
         )
         self._park_capacity = park_slots
         self._cv = threading.Condition()
@@ -243,7 +247,7 @@ class Engine:
                     self._step()
             except Exception as e:  # a device failure fails the requests in flight, not the engine
                 log.exception("engine step failed")
-                self._fail_running(f"engine failure: {e!r}")
+                self._fail_running(f"engine failure: {e!r}", also=admitted)
 
     def _finish(self, job: _Job, reason: str, *, stop_text_at: int | None = None) -> None:
         self.stats["completions"] += 1
@@ -258,8 +262,10 @@ class Engine:
             )
         )
 
-    def _fail_running(self, message: str) -> None:
-        for i, job in enumerate(self._running):
+    def _fail_running(self, message: str, also: Sequence[_Job] = ()) -> None:
+        """Fails every running job and ``also`` (jobs taken from the queue whose admission may
+        not have reached a slot), then starts from an empty decode state."""
+        for job in [*self._running, *also]:
             if job is not None and not job.future.done():
                 job.future.set_result(
                     Completion(
@@ -269,6 +275,7 @@ class Engine:
                         prompt_tokens=len(job.prompt),
                     )  # fmt: skip
                 )
+        for i in range(len(self._running)):
             self._running[i] = None
         self.device.state = self.device.empty_state()
 
@@ -324,13 +331,17 @@ class Engine:
                 tokens[i, : len(delta)] = delta
                 n_new[i], rows[i] = len(delta), row
                 job.reused = n
-            prefix = self.device.resume(rows, tokens, n_new)
+            longest = max(len(j.prompt) for j, _, _ in group)
+            kv_len = _bucket(longest, c.min_kv_bucket, c.max_len)
+            prefix = self.device.resume(rows, tokens, n_new, kv_len)
             for _, row, _ in group:
                 self._free_park.append(row)
             self.stats["resumes"] += len(group)
             self.stats["resume_tokens"] += int(n_new.sum())
             self.stats["reused_tokens"] += sum(n for _, _, n in group)
             self._insert(prefix, [(i, job) for i, (job, _, _) in enumerate(group)], slots)
+        if c.sync_timings:
+            jax.block_until_ready(self.device.state)
         self.timings["admit_s"] += time.perf_counter() - t0
 
     def _insert(self, prefix: Prefix, pairs: list[tuple[int, _Job]], slots) -> None:

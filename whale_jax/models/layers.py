@@ -105,12 +105,16 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(k, cfg, offset=offset, stack=stack, rngs=rngs)
             self.k_norm = RMSNorm(k, cfg, offset=offset, stack=stack, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None, layer=None):
+    def __call__(
+        self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None, layer=None, fresh=False
+    ):
         """cache: None (self-attention over the T tokens) or (k_BSNK, v_BSNK) for this layer, in
         which case the new keys are written at ``lengths_B + t`` and the updated pair is returned.
-        With ``layer`` (a traced index g) the pair is the whole stack (k_GBSNK, v_GBSNK): the new
-        keys are scattered straight into layer g and only that layer is read, so the stack is
-        updated in place without slicing a layer out and writing it back."""
+        With ``layer`` (an index g) the pair is the whole stack (k_GBSNK, v_GBSNK): the new keys
+        are scattered straight into layer g and only that layer is read, so the stack is updated
+        in place without slicing a layer out and writing it back. ``fresh``: the cache holds
+        nothing yet (a prefill), so the tokens attend to each other only and the cache is just
+        written."""
         cfg = self.cfg
         K = cfg.head_dim
         q_BTHX = jnp.einsum("btd,dhx->bthx", x_BTD, self.q_proj[...])
@@ -126,14 +130,8 @@ class Attention(nnx.Module):
         q_BTHK = apply_rope(q_BTHK, positions_BT, self.inv_freq)
         k_BTNK = apply_rope(k_BTNK, positions_BT, self.inv_freq)
 
-        T = x_BTD.shape[1]
-        if cache is None:
-            keys_BSNK, values_BSNK = k_BTNK, v_BTNK
-            idx = jnp.arange(T)
-            allowed_BTS = (idx[:, None] >= idx[None, :]) & valid_BT[:, None, :]
-            allowed_BTS = allowed_BTS | (idx[:, None] == idx[None, :])
-            new_cache = None
-        else:
+        new_cache = None
+        if cache is not None:
             k_cache, v_cache = cache
             S = k_cache.shape[-3]
             # Pads (and anything past the cache) go to index S, which scatter drops.
@@ -142,6 +140,11 @@ class Attention(nnx.Module):
             at = (rows_B1, write_BT) if layer is None else (layer, rows_B1, write_BT)
             k_cache = k_cache.at[at].set(k_BTNK.astype(k_cache.dtype), mode="drop")
             v_cache = v_cache.at[at].set(v_BTNK.astype(v_cache.dtype), mode="drop")
+            new_cache = (k_cache, v_cache)
+        if cache is None or fresh:
+            # Nothing earlier to read: the T tokens attend to each other (causal, blocked).
+            out_BTHK = causal_attention(q_BTHK, k_BTNK, v_BTNK, valid_BT)
+        else:
             if layer is None:
                 keys_BSNK, values_BSNK = k_cache, v_cache
             else:
@@ -151,19 +154,45 @@ class Attention(nnx.Module):
             allowed_BTS = (slots_S[None, None, :] <= positions_BT[:, :, None]) & (
                 slots_S[None, None, :] < new_len_B[:, None, None]
             )
-            new_cache = (k_cache, v_cache)
-
-        H, N = cfg.num_heads, cfg.num_kv_heads
-        q_BTNRK = q_BTHK.reshape(*q_BTHK.shape[:2], N, H // N, K)
-        scores = jnp.einsum("btnrk,bsnk->bnrts", q_BTNRK, keys_BSNK.astype(q_BTHK.dtype))
-        scores = scores.astype(jnp.float32) * (K**-0.5)
-        scores = jnp.where(allowed_BTS[:, None, None], scores, NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(values_BSNK.dtype)
-        out_BTNRK = jnp.einsum("bnrts,bsnk->btnrk", probs, values_BSNK)
-        out_BTHK = out_BTNRK.reshape(q_BTHK.shape).astype(x_BTD.dtype)
+            out_BTHK = attend(q_BTHK, keys_BSNK, values_BSNK, allowed_BTS)
+        out_BTHK = out_BTHK.astype(x_BTD.dtype)
         if cfg.attn_output_gate:
             out_BTHK = out_BTHK * jax.nn.sigmoid(gate_BTHK)
         return jnp.einsum("bthk,hkd->btd", out_BTHK, self.o_proj[...]), new_cache
+
+
+ATTENTION_BLOCK = 256  # query block of the causal self-attention
+
+
+def attend(q_BTHK: Array, keys_BSNK: Array, values_BSNK: Array, allowed_BTS: Array) -> Array:
+    """Softmax attention of T queries over S keys (GQA: H query heads share N kv heads) where
+    ``allowed_BTS``; scores and softmax in fp32. Returns [B, T, H, K] in the values' dtype."""
+    B, T, H, K = q_BTHK.shape
+    N = keys_BSNK.shape[2]
+    q_BTNRK = q_BTHK.reshape(B, T, N, H // N, K)
+    scores = jnp.einsum("btnrk,bsnk->bnrts", q_BTNRK, keys_BSNK.astype(q_BTHK.dtype))
+    scores = scores.astype(jnp.float32) * (K**-0.5)
+    scores = jnp.where(allowed_BTS[:, None, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values_BSNK.dtype)
+    return jnp.einsum("bnrts,bsnk->btnrk", probs, values_BSNK).reshape(B, T, H, K)
+
+
+def causal_attention(q_BTHK, k_BTNK, v_BTNK, valid_BT, block: int | None = None) -> Array:
+    """Causal self-attention of T tokens where key s is visible to query t when s <= t and s is
+    valid (a pad query still sees itself, so its row stays finite). Queries go in blocks that
+    read only their causal key prefix — about half the score matrix of the full [T, T] form — with
+    at most 16 blocks so the program stays small at long T. ``block``: default
+    ``ATTENTION_BLOCK``."""
+    T = q_BTHK.shape[1]
+    size = max(block or ATTENTION_BLOCK, -(-T // 16))
+    idx = jnp.arange(T)
+    outs = []
+    for start in range(0, T, size):
+        end = min(start + size, T)
+        rows, cols = idx[start:end, None], idx[None, :end]
+        allowed_BTS = ((rows >= cols) & valid_BT[:, None, :end]) | (rows == cols)
+        outs.append(attend(q_BTHK[:, start:end], k_BTNK[:, :end], v_BTNK[:, :end], allowed_BTS))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 def l2_normalize(x: Array, eps: float = 1e-6) -> Array:

@@ -55,10 +55,12 @@ class Block(nnx.Module):
         self.post_norm = RMSNorm(cfg.hidden_size, cfg, offset=off, stack=stack, rngs=rngs)
         self.mlp = MLP(cfg, stack=stack, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None, layer=None):
+    def __call__(
+        self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None, layer=None, fresh=False
+    ):
         h_BTD = self.input_norm(x_BTD)
         if self.kind == FULL:
-            h_BTD, cache = self.attn(h_BTD, positions_BT, valid_BT, cache, lengths_B, layer)
+            h_BTD, cache = self.attn(h_BTD, positions_BT, valid_BT, cache, lengths_B, layer, fresh)
         else:
             h_BTD, cache = self.gdn(h_BTD, valid_BT, cache)
         x_BTD = x_BTD + h_BTD
@@ -90,7 +92,9 @@ class Transformer(nnx.Module):
             self.lm_head = make_param(rngs, 0, (d, cfg.vocab_size), ("embed", "vocab"), dtype=dtype)
 
     # -- core ---------------------------------------------------------------------------------
-    def _layers(self, x_BTD, positions_BT, valid_BT, cache: DecodeCache | None):
+    def _layers(
+        self, x_BTD, positions_BT, valid_BT, cache: DecodeCache | None, groups=None, fresh=False
+    ):
         graphdef, state = nnx.split(self.blocks)
         lengths_B = None if cache is None else cache.lengths
 
@@ -106,7 +110,9 @@ class Transformer(nnx.Module):
                 block = blocks.block(i)
                 if block.kind == FULL:
                     # KV stacks are written in place at layer g (no slice-out / write-back).
-                    x_BTD, stacked = block(x_BTD, positions_BT, valid_BT, caches[i], lengths_B, g)
+                    x_BTD, stacked = block(
+                        x_BTD, positions_BT, valid_BT, caches[i], lengths_B, g, fresh
+                    )
                     new_caches.append(stacked)
                     continue
                 layer_cache = jax.tree.map(lambda c: c[g], caches[i])
@@ -118,6 +124,11 @@ class Transformer(nnx.Module):
             group = jax.checkpoint(group, prevent_cse=False)
         G = self.cfg.num_groups
         layer_caches = None if cache is None else cache.layers
+        if groups is not None:  # unrolled over per-group weights: no weight slices are copied
+            carry = (x_BTD, layer_caches)
+            for g, group_state in enumerate(groups):
+                carry, _ = group(carry, (g, group_state))
+            return carry
         (x_BTD, layer_caches), _ = jax.lax.scan(
             group, (x_BTD, layer_caches), (jnp.arange(G), state)
         )
@@ -168,16 +179,26 @@ class Transformer(nnx.Module):
         return DecodeCache(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers))
 
     def extend(
-        self, cache: DecodeCache, tokens_BT: Array, n_new_B: Array, *, last_only: bool = False
+        self,
+        cache: DecodeCache,
+        tokens_BT: Array,
+        n_new_B: Array,
+        *,
+        last_only: bool = False,
+        groups: tuple | None = None,
+        fresh: bool = False,
     ) -> tuple[Array, DecodeCache]:
         """Appends ``n_new_B[b]`` tokens (a right-padded prefix of row b of ``tokens_BT``) to every
         row. Returns logits [B, T, vocab] (or [B, vocab] at each row's last new token when
-        ``last_only``) and the cache with lengths advanced."""
+        ``last_only``) and the cache with lengths advanced. ``groups`` (from ``split_groups``)
+        runs the layers unrolled over per-group weights instead of scanning the stacked ones.
+        ``fresh`` promises the cache is empty (``prefill``): attention then reads only the new
+        tokens, blocked and causal, instead of the whole capacity."""
         T = tokens_BT.shape[1]
         valid_BT = jnp.arange(T)[None, :] < n_new_B[:, None]
         positions_BT = cache.lengths[:, None] + jnp.arange(T)[None, :]
         x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
-        h_BTD, layers = self._layers(x_BTD, positions_BT, valid_BT, cache)
+        h_BTD, layers = self._layers(x_BTD, positions_BT, valid_BT, cache, groups, fresh)
         if last_only:
             last_B = jnp.maximum(n_new_B - 1, 0)
             h_BTD = jnp.take_along_axis(h_BTD, last_B[:, None, None], axis=1)
@@ -188,11 +209,29 @@ class Transformer(nnx.Module):
         return logits, new_cache
 
     def prefill(
-        self, tokens_BT: Array, lengths_B: Array, *, max_len: int, last_only: bool = False
+        self,
+        tokens_BT: Array,
+        lengths_B: Array,
+        *,
+        max_len: int,
+        last_only: bool = False,
+        groups: tuple | None = None,
     ) -> tuple[Array, DecodeCache]:
         """Runs right-padded prompts into a fresh cache of ``max_len`` positions."""
         cache = self.init_cache(tokens_BT.shape[0], max_len)
-        return self.extend(cache, tokens_BT, lengths_B, last_only=last_only)
+        return self.extend(
+            cache, tokens_BT, lengths_B, last_only=last_only, groups=groups, fresh=True
+        )
+
+
+def split_groups(blocks_state) -> tuple:
+    """The stacked block parameters (``nnx.state(model.blocks)``) as one state per layer group, for
+    ``extend(..., groups=...)``. Inside ``jax.jit`` this is G slices of each stacked parameter;
+    run it once per weight update (``DeviceEngine`` does) so decoding reads each layer's weights
+    in place. On XLA CPU a scan copies each layer's weight slice out of the stack on every step,
+    which costs as much as the batch-1 matmuls themselves."""
+    G = jax.tree.leaves(blocks_state)[0].shape[0]
+    return tuple(jax.tree.map(lambda a, g=g: a[g], blocks_state) for g in range(G))
 
 
 class Jitted:
@@ -207,9 +246,10 @@ class Jitted:
         def forward(state, tokens_BT, valid_BT):
             return nnx.merge(graphdef, state)(tokens_BT, valid_BT)
 
-        @jax.jit(static_argnames=("last_only",), donate_argnums=(1,))
-        def extend(state, cache, tokens_BT, n_new_B, last_only=False):
-            return nnx.merge(graphdef, state).extend(cache, tokens_BT, n_new_B, last_only=last_only)
+        @jax.jit(static_argnames=("last_only", "fresh"), donate_argnums=(1,))
+        def extend(state, cache, tokens_BT, n_new_B, last_only=False, fresh=False):
+            model = nnx.merge(graphdef, state)
+            return model.extend(cache, tokens_BT, n_new_B, last_only=last_only, fresh=fresh)
 
         self._forward, self._extend = forward, extend
         self.model = model
@@ -220,12 +260,12 @@ class Jitted:
             valid_BT = jnp.ones(tokens_BT.shape, bool)
         return self._forward(self.state, tokens_BT, jnp.asarray(valid_BT, bool))
 
-    def extend(self, cache, tokens_BT, n_new_B, *, last_only=False):
+    def extend(self, cache, tokens_BT, n_new_B, *, last_only=False, fresh=False):
         """Like ``Transformer.extend``; the cache passed in is donated (do not reuse it)."""
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         n_new_B = jnp.asarray(n_new_B, jnp.int32)
-        return self._extend(self.state, cache, tokens_BT, n_new_B, last_only=last_only)
+        return self._extend(self.state, cache, tokens_BT, n_new_B, last_only=last_only, fresh=fresh)
 
     def prefill(self, tokens_BT, lengths_B, *, max_len: int, last_only=False):
         cache = self.model.init_cache(jnp.asarray(tokens_BT).shape[0], max_len)
-        return self.extend(cache, tokens_BT, lengths_B, last_only=last_only)
+        return self.extend(cache, tokens_BT, lengths_B, last_only=last_only, fresh=True)
