@@ -1,5 +1,7 @@
 """Blocked causal self-attention and the unrolled (per-group weights) decode path."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,12 +68,20 @@ def test_unrolled_groups_equal_the_scan(fixtures_dir):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 320, (2, 40)), jnp.int32)
     n = jnp.asarray([40, 23], jnp.int32)
 
-    @jax.jit
-    def run(groups):
+    @functools.partial(jax.jit, static_argnums=1)
+    def run(groups, per_group=False):
         logits_a, cache = model.prefill(tokens[:, :30], jnp.minimum(n, 30), max_len=64)
         rest = jnp.maximum(n - 30, 0)
+        if per_group:  # each layer's cache arrays on their own, as the engine's decode loop has
+            cache = cache.per_group()
+            assert cache.capacity == 64 and isinstance(cache.layers[0][0], tuple)
         logits_b, cache = model.extend(cache, tokens[:, 30:], rest, groups=groups)
-        return logits_a, logits_b, cache
+        return logits_a, logits_b, cache.stacked() if per_group else cache
 
     scanned, unrolled = run(None), run(groups)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), unrolled, scanned)
+    separate = run(groups, True)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), separate, scanned)
+    _, cache = model.prefill(tokens, n, max_len=64)
+    with pytest.raises(ValueError, match="per-group cache"):
+        model.extend(cache.per_group(), tokens[:, :1], jnp.ones((2,), jnp.int32))

@@ -222,3 +222,15 @@ def test_a_failing_admission_fails_its_requests_and_the_engine_goes_on(setup, mo
     failed = engine.submit(req).result(timeout=120)
     assert failed.finish_reason == "error" and "device lost" in failed.error
     assert engine.generate([req])[0].token_ids == good.token_ids
+
+
+def test_requests_submitted_together_are_admitted_together(tiny_llama):
+    """generate() queues its requests atomically, so the engine thread cannot start on the first
+    one alone: 4 prompts through 4 slots take one prefill call of 4 rows, every time."""
+    model, cfg, _ = tiny_llama
+    engine = Engine(model, EngineConfig(slots=4, max_len=64, steps=4, prefill_batch=4), eos_ids=())
+    prompts = prompts_for(cfg.vocab_size, lengths=(5, 9, 3, 7), seed=11)
+    for _ in range(3):
+        engine.generate([Request(prompt_ids=p, sampling=greedy(2)) for p in prompts])
+    assert engine.device.signatures["prefill"] == {((4, 16),)}
+    engine.close()

@@ -179,10 +179,10 @@ def _generate(
     out0 = jnp.full((B, steps), -1, jnp.int32)
     full_cache = state.cache
     windowed = kv_len < full_cache.capacity
-    state = state.replace(
-        active=state.active & occupied_B,
-        cache=_window(full_cache, kv, kv_len) if windowed else full_cache,
-    )
+    cache = _window(full_cache, kv, kv_len) if windowed else full_cache
+    if groups is not None:  # unrolled: each layer's arrays ride in the loop carry on their own
+        cache = cache.per_group()
+    state = state.replace(active=state.active & occupied_B, cache=cache)
 
     def cond(carry):
         i, st, _ = carry
@@ -203,6 +203,8 @@ def _generate(
         return i + 1, st, out
 
     _, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out0))
+    if groups is not None:
+        state = state.replace(cache=state.cache.stacked())
     if windowed:
         state = state.replace(cache=_unwindow(full_cache, state.cache, kv))
     return state, out

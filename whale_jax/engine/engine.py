@@ -141,30 +141,35 @@ class Engine:
     def submit(self, request: Request) -> Future:
         """Queues a request; the future resolves to its ``Completion`` (never raises for a bad
         request: the completion carries the error)."""
-        future: Future = Future()
-        try:
-            job = self._validate(request, future)
-        except RequestError as e:
-            future.set_result(Completion(token_ids=(), finish_reason=e.reason, error=str(e),
-                                         prompt_tokens=len(request.prompt_ids)))  # fmt: skip
-            return future
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Sequence[Request]) -> list[Future]:
+        """Queues several requests at once: the engine thread sees all of them together, so they
+        are admitted (and prefilled) in the same batches whatever the thread timing."""
+        futures, jobs = [], []
+        for request in requests:
+            future: Future = Future()
+            futures.append(future)
+            try:
+                jobs.append(self._validate(request, future))
+            except RequestError as e:
+                future.set_result(Completion(token_ids=(), finish_reason=e.reason, error=str(e),
+                                             prompt_tokens=len(request.prompt_ids)))  # fmt: skip
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine is closed")
-            self._queue.append(job)
+            self._queue.extend(jobs)
             self._ensure_thread()
             self._cv.notify_all()
-        return future
+        return futures
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         """Submits all requests and waits for all completions (in request order)."""
-        futures = [self.submit(r) for r in requests]
-        return [f.result() for f in futures]
+        return [f.result() for f in self.submit_many(requests)]
 
     def set_params(self, params) -> None:
-        """Uses new weights (an ``nnx.State`` or a model) from the next jitted call on. The arrays
-        are used where they are (device to device; pass them through ``jax.device_put`` with the
-        engine's shardings first when training's layout differs)."""
+        """Uses new weights (an ``nnx.State`` or a model) from the next jitted call on; arrays in
+        another layout (a trainer's shards) are moved device to device into the engine's."""
         with self._cv:
             self._pending_params = params
             self._cv.notify_all()

@@ -36,9 +36,28 @@ class DecodeCache:
     @property
     def capacity(self) -> int:
         for kind_cache in self.layers:
-            if kind_cache[0].ndim == 5:
-                return kind_cache[0].shape[2]
+            first = kind_cache[0]
+            if isinstance(first, tuple):  # per-group form: [B, S, N, K] per layer
+                if first[0].ndim == 4:
+                    return first[0].shape[1]
+            elif first.ndim == 5:
+                return first.shape[2]
         return 1 << 30  # no full-attention layer: the recurrent state has no length limit
+
+    def per_group(self) -> DecodeCache:
+        """The same cache with every stacked array split into a tuple of G per-layer arrays, for
+        the unrolled path (``extend(..., groups=...)``): a layer then reads and updates its own
+        arrays in place instead of slicing them out of the stack on every step."""
+        layers = tuple(
+            tuple(tuple(x[g] for g in range(x.shape[0])) for x in kind_cache)
+            for kind_cache in self.layers
+        )
+        return DecodeCache(lengths=self.lengths, layers=layers)
+
+    def stacked(self) -> DecodeCache:
+        """Inverse of ``per_group``."""
+        layers = tuple(tuple(jnp.stack(xs) for xs in kind_cache) for kind_cache in self.layers)
+        return DecodeCache(lengths=self.lengths, layers=layers)
 
 
 class Block(nnx.Module):
@@ -97,6 +116,9 @@ class Transformer(nnx.Module):
     ):
         graphdef, state = nnx.split(self.blocks)
         lengths_B = None if cache is None else cache.lengths
+        if cache is not None and groups is None:
+            if any(isinstance(kind_cache[0], tuple) for kind_cache in cache.layers):
+                raise ValueError("a per-group cache (DecodeCache.per_group) needs groups=...")
 
         def group(carry, xs):
             x_BTD, caches = carry
@@ -108,6 +130,14 @@ class Transformer(nnx.Module):
                     x_BTD, _ = blocks.block(i)(x_BTD, positions_BT, valid_BT)
                     continue
                 block = blocks.block(i)
+                if isinstance(caches[i][0], tuple):  # per-group arrays (unrolled, g static)
+                    layer_cache = tuple(c[g] for c in caches[i])
+                    x_BTD, layer_cache = block(
+                        x_BTD, positions_BT, valid_BT, layer_cache, lengths_B, None, fresh
+                    )
+                    pairs = zip(caches[i], layer_cache, strict=True)
+                    new_caches.append(tuple(c[:g] + (n,) + c[g + 1 :] for c, n in pairs))
+                    continue
                 if block.kind == FULL:
                     # KV stacks are written in place at layer g (no slice-out / write-back).
                     x_BTD, stacked = block(
