@@ -255,7 +255,7 @@ def main(argv=None) -> int:
         args.new_tokens = min(args.new_tokens, 16)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.slots = [int(s) for s in args.slots.split(",") if s]
-    report = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items()}}
+    report = {"machine": machine_info(), "args": dict(vars(args), out=Path(args.out).name)}
     report["matmul"] = bench_matmul(1024, 5)
     print(f"matmul GFLOP/s: xla {report['matmul']['xla']['gflops_median']:.0f}, torch "
           f"{report['matmul']['torch']['gflops_median']:.0f}", flush=True)  # fmt: skip
