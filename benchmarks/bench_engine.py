@@ -157,6 +157,52 @@ def model_only_step(engine, batch: int, kv_len: int, steps: int) -> float:
     return t / steps
 
 
+def bench_sessions(model, cfg, args) -> dict:
+    """Multi-turn sessions (a first prompt, then each turn appends the reply and a tool result of
+    ``--session-delta`` tokens): the admission time of the later turns when the engine resumes
+    the parked decode state vs when it prefills the whole conversation again. Greedy, so both
+    ways must produce the same tokens."""
+    from whale_jax.engine import Request, Sampling
+
+    rows, first, delta, new, turns = (args.session_rows, args.session_prompt, args.session_delta,
+                                      16, args.session_turns)  # fmt: skip
+    max_len = 1 << (first + turns * (delta + new)).bit_length()
+    rng = np.random.default_rng(1)
+    starts = [tuple(rng.integers(0, cfg.vocab_size, first).tolist()) for _ in range(rows)]
+    deltas = rng.integers(0, cfg.vocab_size, (turns, rows, delta)).tolist()
+    sampling = Sampling(temperature=0.0, max_new_tokens=new)
+    result, outputs = {"rows": rows, "first_prompt": first, "delta": delta, "turns": turns}, {}
+    for mode in ("resume", "reprefill"):
+        engine = make_engine(model, rows, max_len, args.steps, sync=True)
+        for warm in (True, False):  # the first pass compiles every shape, the second is timed
+            prompts, admit, tokens = list(starts), [], []
+            for turn in range(turns):
+                engine.timings.clear()
+                reqs = [Request(prompt_ids=p, sampling=sampling, identity=(i, turn),
+                                park=f"s{i}" if mode == "resume" else None,
+                                resume=f"s{i}" if mode == "resume" and turn else None)
+                        for i, p in enumerate(prompts)]  # fmt: skip
+                outs = engine.generate(reqs)
+                admit.append(engine.timings["admit_s"])
+                tokens.append([o.token_ids for o in outs])
+                prompts = [p + o.token_ids + tuple(d)
+                           for p, o, d in zip(prompts, outs, deltas[turn], strict=True)]  # fmt: skip
+            if mode == "resume" and not warm:
+                result["reused_tokens_last_turn"] = outs[0].reused_tokens
+        outputs[mode] = tokens
+        result[mode] = {"admit_s_per_turn": admit, "compile_counts": engine.compile_counts}
+        engine.close()
+    later = slice(1, None)
+    resume_s = sum(result["resume"]["admit_s_per_turn"][later])
+    reprefill_s = sum(result["reprefill"]["admit_s_per_turn"][later])
+    result["later_turns_admit_speedup"] = reprefill_s / max(resume_s, 1e-9)
+    result["same_tokens"] = outputs["resume"] == outputs["reprefill"]
+    print(f"sessions: admission of turns 2..{turns}: resume {resume_s:.2f} s, re-prefill "
+          f"{reprefill_s:.2f} s ({result['later_turns_admit_speedup']:.1f}x), same tokens "
+          f"{result['same_tokens']}", flush=True)  # fmt: skip
+    return result
+
+
 def bench_model_engine(name, args, tmp: Path, matmul: dict) -> dict:
     model, tmodel, cfg = load_models(name, tmp)
     P, N = args.prompt_len, args.new_tokens
@@ -234,6 +280,8 @@ def bench_model_engine(name, args, tmp: Path, matmul: dict) -> dict:
             engine.close()
             print(f"{name} slots {slots}: {slots * N / s:.1f} tok/s", flush=True)
         result["slots_sweep"] = sweep
+    if args.session_turns > 1:
+        result["sessions"] = bench_sessions(model, cfg, args)
     return result
 
 
@@ -248,10 +296,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--split-all", action="store_true", help="model-only step time at every batch")
     ap.add_argument("--quick", action="store_true", help="qwen3_5_small, batches 1,16, no sweep")
+    ap.add_argument("--session-turns", type=int, default=3, help="0: skip the sessions bench")
+    ap.add_argument("--session-rows", type=int, default=8)
+    ap.add_argument("--session-prompt", type=int, default=512, help="first prompt, tokens")
+    ap.add_argument("--session-delta", type=int, default=64, help="tool result per turn, tokens")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.batches, args.slots = "qwen3_5_small", "1,16", ""
+        args.session_rows, args.session_prompt = 4, 128
         args.new_tokens = min(args.new_tokens, 16)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.slots = [int(s) for s in args.slots.split(",") if s]
