@@ -3,7 +3,10 @@
 Layers are grouped by the period of ``layer_types`` (Qwen3.5: [linear, linear, linear, full]; dense
 models: [full]); each position in the period is one ``Block`` whose parameters are stacked over the
 G = num_layers / period groups, and one scan step runs a whole group. Compile time stays flat in
-depth, and the decode cache rides in the scan carry so it is updated in place.
+depth, and the decode cache rides in the scan carry so it is updated in place. ``extend`` can
+instead run the groups as a Python loop over per-group weights (``split_groups``) and per-layer
+cache arrays (``DecodeCache.per_group``): the engine does so on CPU, where a scan step copies its
+weight slice out of the stack.
 
 Two ways in:
 - ``model(tokens_BT, valid_BT)``: full-sequence logits, no cache (training, scoring). Any pad
