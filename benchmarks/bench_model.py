@@ -318,13 +318,6 @@ def bench_matmul(n: int, repeats: int) -> dict:
 # - gdn_split_heads: independent scans over disjoint head groups, for two cores to share.
 
 
-def _expand_heads(x, num_value_heads):
-    import jax.numpy as jnp
-
-    rep = num_value_heads // x.shape[2]
-    return x if rep == 1 else jnp.repeat(x, rep, axis=2)
-
-
 def _solve(A, rhs, solver, block):
     """(I + A) X = rhs for strictly lower A [..., C, C]."""
     import jax
@@ -356,24 +349,12 @@ def gdn_hoisted(
     import jax
     import jax.numpy as jnp
 
-    f32 = jnp.float32
-    out_dtype = v_BTHV.dtype
-    B, T, _, K = k_BTHK.shape
-    H, V = v_BTHV.shape[2:]
-    C = min(chunk_size, T)
-    pad = (-T) % C
-    N = (T + pad) // C
+    from whale_jax.models.gated_delta import from_chunks, to_chunks
 
-    def chunks(x, scale=1.0):  # [B, T, H, ...] -> [N, B, H, C, ...]
-        x = x.astype(f32) * scale
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(B, N, C, *x.shape[2:])
-        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
-
-    q = chunks(_expand_heads(q_BTHK, H), K**-0.5)
-    k = chunks(_expand_heads(k_BTHK, H))
-    v, g, beta = chunks(v_BTHV), chunks(g_BTH), chunks(beta_BTH)
-    S = jnp.zeros((B, H, K, V), f32) if state_BHKV is None else state_BHKV.astype(f32)
+    (q, k, v, g, beta), S, layout = to_chunks(
+        q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, chunk_size
+    )
+    C, V = layout.C, layout.V
     lower_incl = jnp.tril(jnp.ones((C, C), bool))
     lower_strict = jnp.tril(jnp.ones((C, C), bool), -1)
 
@@ -406,8 +387,7 @@ def gdn_hoisted(
         return S_BHKV, out
 
     S, out_NBHCV = jax.lax.scan(step, S, (U, W, q_dec, attn, k_to_end, chunk_decay))
-    out_BTHV = jnp.moveaxis(out_NBHCV, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
-    return out_BTHV.astype(out_dtype), S
+    return from_chunks(out_NBHCV, layout), S
 
 
 def gdn_inscan(
@@ -427,24 +407,12 @@ def gdn_inscan(
     import jax
     import jax.numpy as jnp
 
-    f32 = jnp.float32
-    out_dtype = v_BTHV.dtype
-    B, T, _, K = k_BTHK.shape
-    H, V = v_BTHV.shape[2:]
-    C = min(chunk_size, T)
-    pad = (-T) % C
-    N = (T + pad) // C
+    from whale_jax.models.gated_delta import from_chunks, to_chunks
 
-    def chunks(x, scale=1.0):
-        x = x.astype(f32) * scale
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(B, N, C, *x.shape[2:])
-        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
-
-    q = chunks(_expand_heads(q_BTHK, H), K**-0.5)
-    k = chunks(_expand_heads(k_BTHK, H))
-    v, g, beta = chunks(v_BTHV), chunks(g_BTH), chunks(beta_BTH)
-    S = jnp.zeros((B, H, K, V), f32) if state_BHKV is None else state_BHKV.astype(f32)
+    (q, k, v, g, beta), S, layout = to_chunks(
+        q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, chunk_size
+    )
+    C, V = layout.C, layout.V
     lower_incl = jnp.tril(jnp.ones((C, C), bool))
     lower_strict = jnp.tril(jnp.ones((C, C), bool), -1)
 
@@ -468,8 +436,7 @@ def gdn_inscan(
         return S, out
 
     S, out_NBHCV = jax.lax.scan(chunk, S, (q, k, v, g, beta))
-    out_BTHV = jnp.moveaxis(out_NBHCV, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
-    return out_BTHV.astype(out_dtype), S
+    return from_chunks(out_NBHCV, layout), S
 
 
 def gdn_split_heads(

@@ -27,6 +27,8 @@ C x C intermediates.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -69,6 +71,47 @@ def solve_unit_lower(A: Array, rhs: Array, block: int = 16) -> Array:
             r = r - A[..., lo:hi, :lo] @ jnp.concatenate(parts, axis=-2)
         parts.append(_unit_lower_inverse(A[..., lo:hi, lo:hi]) @ r)
     return jnp.concatenate(parts, axis=-2)
+
+
+class ChunkLayout(NamedTuple):
+    B: int
+    T: int  # tokens before padding to whole chunks
+    H: int  # value heads
+    V: int
+    C: int  # chunk size
+    N: int  # chunks
+    dtype: Any  # the output dtype (v's)
+
+
+def to_chunks(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, chunk_size: int):
+    """The chunked form's inputs: fp32, key/query heads repeated to the value heads, q scaled by
+    K^-1/2, the sequence zero-padded to whole chunks (a run of no-op tokens) and laid out
+    [N, B, H, C, ...] so a scan walks the chunks. Returns ((q, k, v, g, beta), S0, layout)."""
+    f32 = jnp.float32
+    B, T, _, K = k_BTHK.shape
+    H, V = v_BTHV.shape[2:]
+    C = min(chunk_size, T)
+    pad = (-T) % C
+    N = (T + pad) // C
+
+    def chunks(x, scale=1.0):
+        x = x.astype(f32) * scale
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(B, N, C, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+    q = chunks(_expand_heads(q_BTHK, H), K**-0.5)
+    k = chunks(_expand_heads(k_BTHK, H))
+    v, g, beta = chunks(v_BTHV), chunks(g_BTH), chunks(beta_BTH)
+    S = jnp.zeros((B, H, K, V), f32) if state_BHKV is None else state_BHKV.astype(f32)
+    return (q, k, v, g, beta), S, ChunkLayout(B, T, H, V, C, N, v_BTHV.dtype)
+
+
+def from_chunks(out_NBHCV: Array, layout: ChunkLayout) -> Array:
+    """Inverse layout of ``to_chunks`` for the output: [N, B, H, C, V] -> [B, T, H, V]."""
+    B, T, H, V, C, N, dtype = layout
+    out_BTHV = jnp.moveaxis(out_NBHCV, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
+    return out_BTHV.astype(dtype)
 
 
 def recurrent_gated_delta_rule(
@@ -115,25 +158,10 @@ def chunked_gated_delta_rule(
 ) -> tuple[Array, Array]:
     """Chunked form (see the module docstring). Same contract as the recurrent form. ``remat``
     recomputes each chunk's intermediates in the backward pass instead of storing them."""
-    out_dtype = v_BTHV.dtype
-    B, T, _, K = k_BTHK.shape
-    H, V = v_BTHV.shape[2:]
-    C = min(chunk_size, T)
-    pad = (-T) % C
-    N = (T + pad) // C
-    f32 = jnp.float32
-
-    def chunks(x, scale=1.0):
-        # [B, T, H, ...] -> [N, B, H, C, ...]; the zero tail is a run of no-op tokens.
-        x = x.astype(f32) * scale
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(B, N, C, *x.shape[2:])
-        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
-
-    q = chunks(_expand_heads(q_BTHK, H), K**-0.5)
-    k = chunks(_expand_heads(k_BTHK, H))
-    v, g, beta = chunks(v_BTHV), chunks(g_BTH), chunks(beta_BTH)
-    S = jnp.zeros((B, H, K, V), f32) if state_BHKV is None else state_BHKV.astype(f32)
+    (q, k, v, g, beta), S, layout = to_chunks(
+        q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, chunk_size
+    )
+    C, V = layout.C, layout.V
     lower_incl = jnp.tril(jnp.ones((C, C), bool))
     lower_strict = jnp.tril(jnp.ones((C, C), bool), -1)
 
@@ -161,8 +189,7 @@ def chunked_gated_delta_rule(
         return S_BHKV, out_BHCV
 
     S, out_NBHCV = jax.lax.scan(jax.checkpoint(chunk) if remat else chunk, S, (q, k, v, g, beta))
-    out_BTHV = jnp.moveaxis(out_NBHCV, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
-    return out_BTHV.astype(out_dtype), S
+    return from_chunks(out_NBHCV, layout), S
 
 
 def gated_delta_rule(
