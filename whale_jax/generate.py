@@ -25,6 +25,12 @@ flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: all).
 flags.DEFINE_float("top_p", 1.0, "Sample from the smallest set of tokens with this mass.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and activations dtype.")
+flags.DEFINE_bool(
+    "unroll_layers",
+    False,
+    "Run the layers unrolled over per-layer weights (faster steps on CPU, but a ~10x longer "
+    "compile: worth it for long generations, not for one short answer).",
+)
 
 
 def prompt_ids(tokenizer, prompt: str, system: str | None, raw: bool) -> list[int]:
@@ -56,7 +62,12 @@ def main(argv):
     t1 = time.time()
     engine = Engine(
         model,
-        EngineConfig(slots=1, max_len=len(ids) + FLAGS.max_new_tokens, seed=FLAGS.seed),
+        EngineConfig(
+            slots=1,
+            max_len=len(ids) + FLAGS.max_new_tokens,
+            seed=FLAGS.seed,
+            unroll_layers=FLAGS.unroll_layers,
+        ),
         eos_ids=eos,
         detokenize=tokenizer.decode,
     )
