@@ -234,3 +234,19 @@ def test_requests_submitted_together_are_admitted_together(tiny_llama):
         engine.generate([Request(prompt_ids=p, sampling=greedy(2)) for p in prompts])
     assert engine.device.signatures["prefill"] == {((4, 16),)}
     engine.close()
+
+
+def test_a_failing_resume_gives_back_its_park_rows(setup, monkeypatch):
+    _, cfg, engine = setup
+    prompt, delta = prompts_for(cfg.vocab_size, lengths=(9, 4), seed=12)
+    first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(3), park="r")])[0]
+    free = len(engine._free_park)
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.device, "resume", broken)
+    follow = Request(prompt_ids=prompt + first.token_ids + delta, sampling=greedy(2), resume="r")
+    failed = engine.submit(follow).result(timeout=120)
+    assert failed.finish_reason == "error" and "device lost" in failed.error
+    assert len(engine._free_park) == free + 1  # the consumed parked state's row is free again

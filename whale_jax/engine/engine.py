@@ -338,9 +338,10 @@ class Engine:
                 job.reused = n
             longest = max(len(j.prompt) for j, _, _ in group)
             kv_len = _bucket(longest, c.min_kv_bucket, c.max_len)
-            prefix = self.device.resume(rows, tokens, n_new, kv_len)
-            for _, row, _ in group:
-                self._free_park.append(row)
+            try:
+                prefix = self.device.resume(rows, tokens, n_new, kv_len)
+            finally:  # the entries are gone from _parked either way: their rows are free again
+                self._free_park.extend(row for _, row, _ in group)
             self.stats["resumes"] += len(group)
             self.stats["resume_tokens"] += int(n_new.sum())
             self.stats["reused_tokens"] += sum(n for _, _, n in group)
