@@ -6,7 +6,9 @@ Measures, in fp32 on the local CPU:
    shapes: ``whale_jax.models.gated_delta.chunked_gated_delta_rule`` under ``jax.jit`` against
    transformers' ``torch_chunk_gated_delta_rule`` on the same inputs (outputs and final states are
    compared), plus prototype variants of our kernel (defined below, checked against the reference)
-   and, in the full run, the backward pass;
+   and, in the full run, the backward pass. With more than one XLA CPU device (``--host_devices``;
+   by default one per usable CPU) a case ``ours_tpN`` runs the same library function on inputs whose
+   heads are split over the devices, as the sharding table lays out a layer on a tp mesh;
 2. full-model prefill (logits for every position) on a small Qwen3.5 hybrid and a small dense Llama,
    both built from one HF config dict with the same weights: transformers builds the torch model,
    ``save_pretrained`` writes it, ``whale_jax.load_model`` reads it back;
@@ -271,6 +273,7 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "numpy": np.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "host_devices": jax.device_count(),
         **_git_state(),
         "load_avg_start": [round(x, 2) for x in os.getloadavg()],
     }
@@ -516,6 +519,27 @@ def _torch_gdn():
     return m.torch_chunk_gated_delta_rule
 
 
+def _head_sharded(arrays):
+    """(case name, the GDN inputs with their heads split over every host device) — the layout the
+    sharding table gives a Gated DeltaNet layer on a tp mesh — or None on one device. Each device
+    then runs the whole chunk scan for its heads, so the cores work without per-op hand-offs."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from whale_jax.sharding import logical_spec, make_mesh
+
+    n = jax.device_count()
+    if n < 2:
+        return None
+    mesh = make_mesh(data=1, fsdp=1, tp=n)
+    axes = [("batch", None, "heads", None)] * 3 + [("batch", None, "heads")] * 2
+    placed = [
+        jax.device_put(x, NamedSharding(mesh, logical_spec(x.shape, a, mesh)))
+        for x, a in zip(arrays, axes, strict=True)
+    ]
+    return f"ours_tp{n}", placed
+
+
 def _compiled_case(fn, args):
     """(case, warm-up) for a jitted JAX function: the warm-up compiles ahead of time."""
     import jax
@@ -553,6 +577,8 @@ def bench_gdn(T, shape, repeats, variants, B=1) -> dict:
     cases, warm = {}, {}
     ours = functools.partial(chunked_gated_delta_rule, chunk_size=CHUNK)
     cases["ours"], warm["ours"] = _compiled_case(ours, jargs)
+    if (split := _head_sharded(arrays)) is not None:
+        cases[split[0]], warm[split[0]] = _compiled_case(ours, split[1])
     cases["torch"] = run_torch
     warm["torch"] = lambda: run_torch([t[:, : 4 * CHUNK] for t in targs])
     for name in variants:
@@ -603,6 +629,8 @@ def bench_gdn_backward(T, shape, repeats, variants, B=1) -> dict:
     cases, warm = {}, {}
     ours = functools.partial(chunked_gated_delta_rule, chunk_size=CHUNK)
     cases["ours"], warm["ours"] = _compiled_case(grad_of(ours), jargs)
+    if (split := _head_sharded(arrays)) is not None:
+        cases[split[0]], warm[split[0]] = _compiled_case(grad_of(ours), split[1])
     cases["torch"] = torch_case
     warm["torch"] = lambda: torch_case([t[:, : 4 * CHUNK] for t in targs])
     for name in variants:
@@ -838,6 +866,13 @@ def main(argv=None) -> int:
         help="pin the process to this many CPUs before JAX and torch start (0: all); with 1,"
         " both run single-threaded and timings stop depending on the neighbours' load",
     )
+    p.add_argument(
+        "--host_devices",
+        type=int,
+        default=0,
+        help="expose this many XLA CPU devices (0: one per CPU the process may use); with more"
+        " than one, the GDN sections add a case with the heads split over them (ours_tpN)",
+    )
     p.add_argument("--verbose", action="store_true", help="log every warm-up and timed call")
     p.add_argument(
         "--watchdog",
@@ -853,6 +888,10 @@ def main(argv=None) -> int:
         if "jax" in sys.modules or "torch" in sys.modules:
             raise SystemExit("--cpus must take effect before jax and torch are imported")
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
+    import jax  # after the pinning: its CPU thread pool is sized from the affinity mask
+
+    host_devices = args.host_devices or len(os.sched_getaffinity(0))
+    jax.config.update("jax_num_cpu_devices", host_devices)  # before the backend starts
     if hasattr(faulthandler, "register"):
         import signal
 

@@ -10,15 +10,25 @@ from flax import nnx
 
 from whale_jax import load_model
 from whale_jax.models import layers
-from whale_jax.models.layers import attend, causal_attention
+from whale_jax.models.layers import causal_attention
 from whale_jax.models.transformer import split_groups
 
 
 def dense_reference(q, k, v, valid):
-    T = q.shape[1]
-    idx = jnp.arange(T)
+    """Full [T, T] softmax attention in numpy (float64), kv heads repeated to the query heads."""
+    q, k, v, valid = (
+        np.asarray(x, np.float64 if x.dtype != bool else bool) for x in (q, k, v, valid)
+    )
+    T, H, K = q.shape[1:]
+    rep = H // k.shape[2]
+    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    idx = np.arange(T)
     allowed = ((idx[:, None] >= idx[None, :]) & valid[:, None, :]) | (idx[:, None] == idx[None, :])
-    return attend(q, k, v, allowed)
+    scores = np.einsum("bthk,bshk->bhts", q, k) / np.sqrt(K)
+    scores = np.where(allowed[:, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshk->bthk", probs, v)
 
 
 @pytest.mark.parametrize("T,block", [(150, 32), (150, 256), (700, 16)])
@@ -35,6 +45,34 @@ def test_blocked_causal_attention_equals_dense(T, block):
     valid = jnp.asarray(valid)
     out = causal_attention(q, k, v, valid, block=block)
     np.testing.assert_allclose(out, dense_reference(q, k, v, valid), atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_query_attention_equals_reference(dtype):
+    """A decode step's attention (one query per row: element-wise form) against numpy, over a
+    [B, N, S, K] cache with per-row lengths, a hole, and an idle row that may see nothing (it
+    must stay finite: the mean of the values)."""
+    r = np.random.default_rng(3)
+    B, H, N, S, K = 4, 6, 2, 37, 16
+    q = r.normal(size=(B, 1, H, K)).astype(np.float32)
+    k = r.normal(size=(B, N, S, K)).astype(np.float32)
+    v = r.normal(size=(B, N, S, K)).astype(np.float32)
+    allowed = np.arange(S)[None, None, :] < np.array([37, 5, 20, 0])[:, None, None]
+    allowed[2, 0, 3:9] = False
+    q_d, k_d, v_d = (jnp.asarray(x, dtype) for x in (q, k, v))
+    out = layers.attend(q_d, k_d, v_d, jnp.asarray(allowed))
+    assert out.dtype == dtype and out.shape == (B, 1, H, K)
+    out = np.asarray(out, np.float64)
+    q, k, v = (np.asarray(jnp.asarray(x, np.float32), np.float64) for x in (q_d, k_d, v_d))
+    kh, vh = np.repeat(k, H // N, axis=1), np.repeat(v, H // N, axis=1)  # [B, H, S, K]
+    scores = np.einsum("bhk,bhsk->bhs", q[:, 0], kh) / np.sqrt(K)
+    scores = np.where(allowed, scores, -np.inf)
+    scores[3] = 0.0  # nothing visible: uniform weights
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    ref = np.einsum("bhs,bhsk->bhk", probs / probs.sum(-1, keepdims=True), vh)[:, None]
+    tol = 2e-6 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
+    assert np.isfinite(out).all()
 
 
 def test_model_forward_and_prefill_with_small_blocks(fixtures_dir, monkeypatch):

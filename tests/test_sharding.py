@@ -31,6 +31,28 @@ SCRIPT = textwrap.dedent(
     err = float(np.abs(np.asarray(sharded) - np.asarray(single)).max() / np.abs(single).max())
     print("MAXERR", err)
     assert err < 1e-5, err  # reduction order differs across shards: ~5e-6 relative
+
+    # The gated delta rule with its heads split over tp (a GDN layer's layout on a tp mesh): each
+    # device scans its own heads, nothing is gathered, and the result equals one device's.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from whale_jax.models.gated_delta import chunked_gated_delta_rule
+    rng = np.random.default_rng(0)
+    B, T, H, K = 2, 100, 8, 16
+    xs = [rng.standard_normal(s).astype(np.float32) for s in [(B, T, H, K)] * 3 + [(B, T, H)] * 2]
+    xs[0] /= np.linalg.norm(xs[0], axis=-1, keepdims=True)
+    xs[1] /= np.linalg.norm(xs[1], axis=-1, keepdims=True)
+    xs[3], xs[4] = -np.abs(xs[3]) * 0.1, 1 / (1 + np.exp(-xs[4]))
+    tp = make_mesh(data=1, fsdp=1, tp=8)
+    heads = [P(None, None, "tp", None)] * 3 + [P(None, None, "tp")] * 2
+    split = [jax.device_put(x, NamedSharding(tp, s)) for x, s in zip(xs, heads)]
+    f = jax.jit(lambda *a: chunked_gated_delta_rule(*a, chunk_size=32))
+    (o1, s1), (o8, s8) = f(*xs), f(*split)
+    assert o8.sharding.spec == P(None, None, "tp", None), o8.sharding
+    hlo = f.lower(*split).compile().as_text()
+    assert "all-gather" not in hlo and "f32[2,1,32,16]" in hlo  # one head per device
+    gdn_err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in [(o1, o8), (s1, s8)])
+    print("GDN_SPLIT_ERR", gdn_err)
+    assert gdn_err < 1e-5, gdn_err
     """
 )
 
@@ -86,7 +108,7 @@ def test_engine_takes_weights_from_a_sharded_trainer():
 
 def test_sharded_forward_equals_single_device():
     proc = run_on_8_devices(SCRIPT)
-    assert "MAXERR" in proc.stdout
+    assert "MAXERR" in proc.stdout and "GDN_SPLIT_ERR" in proc.stdout
     # Heads / MLP on tp, the model dimension on fsdp.
     assert "(None, 'fsdp', 'tp', None)" in proc.stdout
 

@@ -84,8 +84,8 @@ def _copy_rows(dst: DecodeCache, src: DecodeCache, kv: tuple[bool, ...], src_row
         pair = []
         for d, s in ((a_dst, a_src), (b_dst, b_src)):
             rows = s[:, src_rows]
-            if is_kv and rows.shape[2] != d.shape[2]:
-                pair.append(d.at[:, dst_rows, : rows.shape[2]].set(rows, mode="drop"))
+            if is_kv and rows.shape[3] != d.shape[3]:
+                pair.append(d.at[:, dst_rows, :, : rows.shape[3]].set(rows, mode="drop"))
             else:
                 pair.append(d.at[:, dst_rows].set(rows.astype(d.dtype), mode="drop"))
         layers.append(tuple(pair))
@@ -139,7 +139,7 @@ def _insert(kv, state: DecodeState, prefix: Prefix, init: dict) -> DecodeState:
 def _window(cache: DecodeCache, kv: tuple[bool, ...], length: int) -> DecodeCache:
     """The first ``length`` KV positions of every full-attention layer (recurrent state whole)."""
     layers = tuple(
-        tuple(x[:, :, :length] for x in pair) if is_kv else pair
+        tuple(x[:, :, :, :length] for x in pair) if is_kv else pair
         for is_kv, pair in zip(kv, cache.layers, strict=True)
     )
     return DecodeCache(lengths=cache.lengths, layers=layers)
@@ -161,7 +161,9 @@ def _resume(
 
 def _unwindow(full: DecodeCache, part: DecodeCache, kv: tuple[bool, ...]) -> DecodeCache:
     layers = tuple(
-        tuple(f.at[:, :, : p.shape[2]].set(p) for f, p in zip(fp, pp, strict=True)) if is_kv else pp
+        tuple(f.at[:, :, :, : p.shape[3]].set(p) for f, p in zip(fp, pp, strict=True))
+        if is_kv
+        else pp
         for is_kv, fp, pp in zip(kv, full.layers, part.layers, strict=True)
     )
     return DecodeCache(lengths=part.lengths, layers=layers)

@@ -31,7 +31,8 @@ Array = jax.Array
 @struct.dataclass
 class DecodeCache:
     """Per-row (slot) decode state. ``layers[i]`` belongs to block i of the period, stacked over G:
-    full attention (k_GBSNK, v_GBSNK); Gated DeltaNet (conv window_GBWC, state_GBHKV in fp32)."""
+    full attention (k_GBNSK, v_GBNSK: positions S inside kv heads N, as each head's attention reads
+    them); Gated DeltaNet (conv window_GBWC, state_GBHKV in fp32)."""
 
     lengths: Array  # [B] int32: tokens already in the cache per row
     layers: tuple
@@ -40,11 +41,11 @@ class DecodeCache:
     def capacity(self) -> int:
         for kind_cache in self.layers:
             first = kind_cache[0]
-            if isinstance(first, tuple):  # per-group form: [B, S, N, K] per layer
+            if isinstance(first, tuple):  # per-group form: [B, N, S, K] per layer
                 if first[0].ndim == 4:
-                    return first[0].shape[1]
+                    return first[0].shape[2]
             elif first.ndim == 5:
-                return first.shape[2]
+                return first.shape[3]
         return 1 << 30  # no full-attention layer: the recurrent state has no length limit
 
     def per_group(self) -> DecodeCache:
@@ -197,7 +198,7 @@ class Transformer(nnx.Module):
         layers = []
         for kind in cfg.layer_types[: cfg.period]:
             if kind == FULL:
-                shape = (G, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+                shape = (G, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
                 layers.append((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
             else:
                 window = (G, batch, cfg.linear_conv_kernel - 1, cfg.gdn_conv_dim)
