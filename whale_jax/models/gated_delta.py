@@ -6,9 +6,10 @@ log-decay g_t <= 0 and write strength beta_t in (0, 1), every token does
     S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T
     o_t = S_t^T q_t
 
-The recurrent form runs exactly that (decode, one token per call). The chunked form (prefill and
-training) splits the sequence into chunks of C tokens. Inside a chunk, with cumulative log-decay
-G_i = g_1 + ... + g_i and the decay between positions D_ij = exp(G_i - G_j) for i >= j,
+The recurrent form runs that token by token (decode, one token per call), rearranged so a step
+streams the state twice: one read for S^T k and S^T q, one read-and-write update. The chunked form
+(prefill and training) splits the sequence into chunks of C tokens. Inside a chunk, with cumulative
+log-decay G_i = g_1 + ... + g_i and the decay between positions D_ij = exp(G_i - G_j) for i >= j,
 
     A_ij = beta_i (k_i . k_j) D_ij                  (strictly lower triangular, i > j)
     (I + A) U = beta * V,   (I + A) W = beta * exp(G) * K        (unit-lower solves, matmuls only)
