@@ -35,7 +35,7 @@ from jax.sharding import SingleDeviceSharding
 
 from whale_jax.config import FULL
 from whale_jax.engine.sampling import SlotSampling, sample
-from whale_jax.models.transformer import DecodeCache, Transformer, split_groups
+from whale_jax.models.transformer import KV_SEQ_AXIS, DecodeCache, Transformer, split_groups
 
 Array = jax.Array
 
@@ -84,8 +84,9 @@ def _copy_rows(dst: DecodeCache, src: DecodeCache, kv: tuple[bool, ...], src_row
         pair = []
         for d, s in ((a_dst, a_src), (b_dst, b_src)):
             rows = s[:, src_rows]
-            if is_kv and rows.shape[3] != d.shape[3]:
-                pair.append(d.at[:, dst_rows, :, : rows.shape[3]].set(rows, mode="drop"))
+            if is_kv and rows.shape[KV_SEQ_AXIS] != d.shape[KV_SEQ_AXIS]:
+                front = (slice(None),) * (KV_SEQ_AXIS - 2) + (slice(rows.shape[KV_SEQ_AXIS]),)
+                pair.append(d.at[(slice(None), dst_rows, *front)].set(rows, mode="drop"))
             else:
                 pair.append(d.at[:, dst_rows].set(rows.astype(d.dtype), mode="drop"))
         layers.append(tuple(pair))
@@ -139,7 +140,7 @@ def _insert(kv, state: DecodeState, prefix: Prefix, init: dict) -> DecodeState:
 def _window(cache: DecodeCache, kv: tuple[bool, ...], length: int) -> DecodeCache:
     """The first ``length`` KV positions of every full-attention layer (recurrent state whole)."""
     layers = tuple(
-        tuple(x[:, :, :, :length] for x in pair) if is_kv else pair
+        tuple(jax.lax.slice_in_dim(x, 0, length, axis=KV_SEQ_AXIS) for x in pair) if is_kv else pair
         for is_kv, pair in zip(kv, cache.layers, strict=True)
     )
     return DecodeCache(lengths=cache.lengths, layers=layers)
@@ -161,7 +162,10 @@ def _resume(
 
 def _unwindow(full: DecodeCache, part: DecodeCache, kv: tuple[bool, ...]) -> DecodeCache:
     layers = tuple(
-        tuple(f.at[:, :, :, : p.shape[3]].set(p) for f, p in zip(fp, pp, strict=True))
+        tuple(
+            jax.lax.dynamic_update_slice_in_dim(f, p, 0, axis=KV_SEQ_AXIS)
+            for f, p in zip(fp, pp, strict=True)
+        )
         if is_kv
         else pp
         for is_kv, fp, pp in zip(kv, full.layers, part.layers, strict=True)

@@ -28,6 +28,10 @@ from whale_jax.models.layers import MLP, Attention, GatedDeltaNet, RMSNorm, make
 Array = jax.Array
 
 
+# Axis of the cache positions S in a stacked KV array [G, B, N, S, K] (one less per layer).
+KV_SEQ_AXIS = 3
+
+
 @struct.dataclass
 class DecodeCache:
     """Per-row (slot) decode state. ``layers[i]`` belongs to block i of the period, stacked over G:
@@ -43,9 +47,9 @@ class DecodeCache:
             first = kind_cache[0]
             if isinstance(first, tuple):  # per-group form: [B, N, S, K] per layer
                 if first[0].ndim == 4:
-                    return first[0].shape[2]
+                    return first[0].shape[KV_SEQ_AXIS - 1]
             elif first.ndim == 5:
-                return first.shape[3]
+                return first.shape[KV_SEQ_AXIS]
         return 1 << 30  # no full-attention layer: the recurrent state has no length limit
 
     def per_group(self) -> DecodeCache:
