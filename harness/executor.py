@@ -210,9 +210,12 @@ class Executor:
         *,
         samples: int = 1,
         run_id: str = "run",
+        step: int | None = None,
     ) -> list[EpisodeRecord]:
-        """One record per (task, sample), in task-major order."""
+        """One record per (task, sample), in task-major order. ``step`` (default: the config's)
+        goes into every request's RNG identity: the RSFT step, so each step samples afresh."""
         r = _Run(self, source, domain, tasks, samples, run_id)
+        r.step = self.config.step if step is None else int(step)
         records = r.execute()
         if r.protections:
             self.last_protections = r.protections
@@ -232,6 +235,7 @@ class _Run:
         self.ex, self.cfg, self.domain, self.source = ex, ex.config, domain, source
         self.budgets = ex.config.budgets or domain.budgets
         self.run_id = run_id
+        self.step = ex.config.step
         self.eps = [
             _Ep(f"e{i * samples + s}", t, s, domain)
             for i, t in enumerate(tasks)
@@ -551,7 +555,7 @@ class _Run:
                 train=call.train,
                 rng=RngKey(
                     run_seed=self.cfg.run_seed,
-                    step=self.cfg.step,
+                    step=self.step,
                     task_id=ep.task.id,
                     sample_index=ep.sample,
                     call_index=call_index,
@@ -603,6 +607,7 @@ class _Run:
                 result.completion_tokens,
             )
             call.finish_reason, call.error = result.finish_reason, result.error
+            call.weights_version = result.weights_version
             rec.prompt_tokens += result.prompt_tokens
             rec.completion_tokens += result.completion_tokens
             ep.assistant_tokens += result.completion_tokens
@@ -743,6 +748,7 @@ class _Run:
             else:
                 stop = ep.env.status or ep.budget_stop or "no_answer"
         rec.stop_reason = stop
+        t0 = time.monotonic()
         clean = error is None and stop not in _FAILURES
         if clean and (rec.answer_in_completion or not self.domain.answer_required):
             try:
@@ -756,6 +762,7 @@ class _Run:
             )
         except Exception:
             rec.gold_in_prompt = False
+        rec.score_s = time.monotonic() - t0
         ep.state = "done"
         self.remaining -= 1
         self.changed.notify_all()

@@ -90,6 +90,7 @@ class ChatResult:
     completion_tokens: int = 0
     tool_calls: tuple[ToolCall, ...] = ()
     error: str | None = None
+    weights_version: int = 0  # which weights sampled it (the engine counts its updates)
 
 
 @runtime_checkable

@@ -24,6 +24,7 @@ class ModelCallRecord:
     completion_tokens: int = 0
     latency_s: float = 0.0
     error: str | None = None
+    weights_version: int = 0  # the backend's weights when it sampled this completion
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -55,6 +56,7 @@ class EpisodeRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     wall_s: float = 0.0
+    score_s: float = 0.0  # trusted verifier and prompt audit time, in the main process
     stop_reason: str = ""
     error: str | None = None
     gold_in_prompt: bool = False

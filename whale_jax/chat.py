@@ -9,7 +9,8 @@ turn appends only ``ChatFormat.delta(new_messages)`` — the template's renderin
 that follow an assistant turn — to the exact token sequence so far. Earlier turns are never
 re-rendered and sampled tokens are never re-tokenised: Qwen3.5's template drops the thinking of
 earlier turns when it re-renders them, so a re-rendered conversation is not what the model saw.
-``Session`` holds the sequence and a mask over the model's own tokens: one training row.
+``Session`` holds the sequence so far; training rows are built from the records
+(``whale_jax.train.rows``).
 
 Families:
 - ``qwen3_5``: thinking on by default (the generation prompt ends inside ``<think>``;
@@ -325,10 +326,9 @@ def format_for(family: str, tokenizer: Any = None) -> ChatFormat:
 
 @dataclasses.dataclass
 class Session:
-    """One conversation as one token sequence; ``mask[i]``: the model sampled ``ids[i]``."""
+    """One conversation as one token sequence (prompts, deltas and sampled completions)."""
 
     ids: list[int] = dataclasses.field(default_factory=list)
-    mask: list[bool] = dataclasses.field(default_factory=list)
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     ended_with_end_of_turn: bool = True
     replies: tuple[str, ...] = ()  # texts an assistant message may carry to continue the session
@@ -343,19 +343,3 @@ class Session:
             return False
         last = messages[n - 1]
         return last.get("role") == "assistant" and last.get("content") in self.replies
-
-
-def training_row(
-    calls: Iterable[tuple[Sequence[int], Sequence[int]]],
-) -> tuple[list[int], list[bool]]:
-    """One row (ids, sampled-token mask) from a session's calls in order, each (prompt_ids,
-    completion_ids). Each call's prompt must start with the previous call's prompt + completion."""
-    ids: list[int] = []
-    mask: list[bool] = []
-    for prompt, completion in calls:
-        prompt, completion = list(prompt), list(completion)
-        if prompt[: len(ids)] != ids:
-            raise ValueError("a call's prompt does not extend the session's earlier tokens")
-        mask += [False] * (len(prompt) - len(ids)) + [True] * len(completion)
-        ids = prompt + completion
-    return ids, mask

@@ -8,8 +8,9 @@ on its own result while the engine batches them.
 A session (``request.session_id``) is one token sequence: when a call's messages extend the
 previous call's messages plus that call's reply, only the new messages are rendered (the template's
 delta) and appended to the sequence so far, and the engine continues from the parked decode state
-of the previous call instead of re-prefilling. Any other call starts a new row for the session.
-``training_row(session_id)`` gives the sequence and the mask over the model's sampled tokens.
+of the previous call instead of re-prefilling. Any other call starts the session's sequence anew.
+Every result carries its exact prompt and completion ids; training rows and their loss masks are
+built from the records alone (``whale_jax.train.rows``), not from state kept here.
 """
 
 from __future__ import annotations
@@ -144,9 +145,6 @@ class EngineClient:
         )
         new_session = Session(
             ids=prompt + ids,
-            mask=(session.mask if continuing else [])  # type: ignore[union-attr]
-            + [False] * (len(prompt) - (len(session.ids) if continuing else 0))  # type: ignore[union-attr]
-            + [True] * len(ids),
             messages=[*messages, {"role": "assistant", "content": reply.text}],
             ended_with_end_of_turn=stopped and ids[-1] == self._end_of_turn_id,
             replies=(reply.text, raw),
@@ -166,15 +164,10 @@ class EngineClient:
             prompt_tokens=len(prompt),
             completion_tokens=len(ids),
             tool_calls=reply.tool_calls,
+            weights_version=done.weights_version,
         )
 
     # -- sessions ----------------------------------------------------------------------------------
-    def training_row(self, session_id: str) -> tuple[list[int], list[bool]]:
-        """The session's token sequence and the mask over model-sampled tokens (its latest row)."""
-        with self._lock:
-            s = self._sessions[session_id]
-            return list(s.ids), list(s.mask)
-
     def end_session(self, session_id: str) -> None:
         with self._lock:
             self._sessions.pop(session_id, None)

@@ -1,4 +1,4 @@
-"""Chat formats: rendering, deltas, thinking, tool calls; the training row of a session."""
+"""Chat formats: rendering, deltas, thinking, tool calls."""
 
 import pytest
 
@@ -7,7 +7,6 @@ from whale_jax.chat import (
     ToolCall,
     chatml_format,
     qwen3_5_format,
-    training_row,
 )
 
 QWEN = qwen3_5_format()
@@ -107,11 +106,3 @@ def test_chatml_tools_as_text_tags():
     reply = fmt.parse('<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>')
     assert reply.tool_calls == (ToolCall(name="add", arguments={"a": 2}),)
     assert fmt.parse("no </think> handling needed").thinking == ""
-
-
-def test_training_row_masks_sampled_tokens():
-    ids, mask = training_row([([1, 2, 3], [4, 5]), ([1, 2, 3, 4, 5, 6, 7], [8])])
-    assert ids == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert mask == [False, False, False, True, True, False, False, True]
-    with pytest.raises(ValueError):
-        training_row([([1, 2], [3]), ([1, 9, 3], [4])])

@@ -5,9 +5,11 @@ import concurrent.futures
 import pytest
 
 from harness.model_api import ChatBackend, ChatRequest, RngKey, SamplingSettings
+from harness.records import EpisodeRecord, ModelCallRecord
 from whale_jax.chat import qwen3_5_format
 from whale_jax.client import EngineClient
 from whale_jax.engine import Request, Sampling
+from whale_jax.train.rows import rows_from_records
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant."}
 USER = {"role": "user", "content": "What is 6 times 7? Use the calculator."}
@@ -33,13 +35,31 @@ def ask(messages, *, session="s", call=0, sample=0, max_prompt_tokens=None, **se
     )
 
 
+def record_of(*pairs):
+    """The episode record the executor would keep for these (request, result) calls."""
+    calls = [
+        ModelCallRecord(
+            call_index=i,
+            session_id=req.session_id,
+            messages=list(req.messages),
+            settings=req.settings.to_dict(),
+            train=req.train,
+            prompt_ids=list(res.prompt_ids),
+            completion_ids=list(res.completion_ids),
+        )
+        for i, (req, res) in enumerate(pairs)
+    ]
+    return EpisodeRecord(task_id="t", domain="test", calls=calls)
+
+
 def test_is_a_chat_backend(client):
     assert isinstance(client, ChatBackend)
 
 
 def test_three_turn_session_is_one_row(client, qwen_tokenizer):
     fmt = qwen3_5_format()
-    first = client.chat(ask([SYSTEM, USER], session="three"))
+    first_request = ask([SYSTEM, USER], session="three")
+    first = client.chat(first_request)
     assert first.error is None and len(first.completion_ids) == 6
     rendered = qwen_tokenizer.encode(fmt.render([SYSTEM, USER]))
     assert list(first.prompt_ids) == rendered
@@ -47,18 +67,22 @@ def test_three_turn_session_is_one_row(client, qwen_tokenizer):
     tool = {"role": "tool", "content": "42"}
     history = [SYSTEM, USER, {"role": "assistant", "content": first.text}, tool]
     resumes = client.engine.stats["resumes"]
-    second = client.chat(ask(history, session="three", call=1))
+    second_request = ask(history, session="three", call=1)
+    second = client.chat(second_request)
     ended = first.completion_ids[-1] == qwen_tokenizer.encode("<|im_end|>")[0]
     delta = qwen_tokenizer.encode(fmt.delta([tool], ended_with_end_of_turn=ended))
     assert list(second.prompt_ids) == rendered + list(first.completion_ids) + delta
     assert client.engine.stats["resumes"] == resumes + 1  # continued from the kept state
 
-    ids, mask = client.training_row("three")
-    c1, c2 = list(first.completion_ids), list(second.completion_ids)
-    assert ids == rendered + c1 + delta + c2
-    assert mask == [False] * len(rendered) + [True] * len(c1) + [False] * len(delta) + [True] * len(
-        c2
+    # The records of the two calls make one training row; the loss mask is the sampled tokens.
+    rows, counts = rows_from_records(
+        [record_of((first_request, first), (second_request, second))], max_len=1024
     )
+    assert len(rows) == 1 and counts["new_rows"] == 0
+    c1, c2 = list(first.completion_ids), list(second.completion_ids)
+    assert list(rows[0].ids) == rendered + c1 + delta + c2
+    expected = [False] * len(rendered) + [True] * len(c1) + [False] * len(delta) + [True] * len(c2)
+    assert list(rows[0].mask) == expected
 
     # The kept decode state continues exactly as a prefill of the whole sequence would.
     settings = SamplingSettings(max_new_tokens=6)
@@ -73,18 +97,23 @@ def test_three_turn_session_is_one_row(client, qwen_tokenizer):
 
 
 def test_changed_history_starts_a_new_row(client, qwen_tokenizer):
-    first = client.chat(ask([SYSTEM, USER], session="edit"))
+    first_request = ask([SYSTEM, USER], session="edit")
+    first = client.chat(first_request)
     edited = [
         SYSTEM,
         {"role": "user", "content": "Something else."},
         {"role": "assistant", "content": first.text},
         {"role": "tool", "content": "1"},
     ]
-    second = client.chat(ask(edited, session="edit", call=1))
+    second_request = ask(edited, session="edit", call=1)
+    second = client.chat(second_request)
     assert list(second.prompt_ids) == qwen_tokenizer.encode(qwen3_5_format().render(edited))
-    ids, mask = client.training_row("edit")
-    assert ids == list(second.prompt_ids + second.completion_ids)
-    assert sum(mask) == len(second.completion_ids)
+    rows, counts = rows_from_records(
+        [record_of((first_request, first), (second_request, second))], max_len=1024
+    )
+    assert counts["new_rows"] == 1 and len(rows) == 2
+    assert list(rows[1].ids) == list(second.prompt_ids + second.completion_ids)
+    assert sum(rows[1].mask) == len(second.completion_ids)
 
 
 def test_concurrent_callers_get_their_own_samples(client):

@@ -284,10 +284,17 @@ class DeviceEngine:
 
     def set_params(self, params) -> None:
         """New weights (an ``nnx.State`` of the same structure, or a model). Arrays already in the
-        engine's layout are used as they are; others (e.g. a trainer's FSDP shards) are resharded
-        device to device into it, never through the host, so nothing recompiles."""
+        engine's layout and dtype are used as they are; others (e.g. a trainer's fp32 FSDP shards)
+        are cast and resharded device to device into it, never through the host, so nothing
+        recompiles."""
         if isinstance(params, nnx.Module):
             _, params = nnx.split(params)
+        # A trainer's fp32 master weights into a bf16 engine: cast where they lie, then move.
+        params = jax.tree.map(
+            lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),
+            params,
+            self.params,
+        )
         self.params = jax.device_put(params, self.shardings)
         self.groups = _split_groups(self.params) if self.unroll else None
 

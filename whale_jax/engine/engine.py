@@ -118,6 +118,8 @@ class Engine:
         )
         self._free_park = list(range(park_slots))
         self._pending_params = None
+        self._params_requested = 0
+        self.weights_version = 0  # how many set_params have taken effect; completions carry it
         self._closed = False
         self._thread: threading.Thread | None = None
         slot_bytes = cache_bytes_per_slot(self.cfg, c.max_len, model.dtype)
@@ -167,12 +169,25 @@ class Engine:
         """Submits all requests and waits for all completions (in request order)."""
         return [f.result() for f in self.submit_many(requests)]
 
-    def set_params(self, params) -> None:
-        """Uses new weights (an ``nnx.State`` or a model) from the next jitted call on; arrays in
-        another layout (a trainer's shards) are moved device to device into the engine's."""
+    def set_params(self, params, *, wait: bool = True) -> int:
+        """New weights (an ``nnx.State`` or a model), as a barrier: requests already admitted
+        finish on the old weights, nothing new is admitted until they have, then the weights are
+        swapped, every parked session state (computed with the old weights) is dropped, and
+        ``weights_version`` goes up by one. Queued and later requests run on the new weights only;
+        no request ever samples with a mix. Arrays in another layout or dtype (a trainer's fp32
+        FSDP shards) are moved device to device into the engine's. Returns the new version (with
+        ``wait``, after the swap; else at once, the version it will have)."""
         with self._cv:
+            if self._closed:
+                raise RuntimeError("engine is closed")
             self._pending_params = params
+            self._ensure_thread()
             self._cv.notify_all()
+            target = self._params_requested = self._params_requested + 1
+            if wait:
+                while self.weights_version < target and not self._closed:
+                    self._cv.wait()
+            return target
 
     def close(self) -> None:
         with self._cv:
@@ -240,12 +255,16 @@ class Engine:
                 if self._closed:
                     self._fail_all("engine closed")
                     return
-                params, self._pending_params = self._pending_params, None
+                params = None
+                if self._pending_params is not None and not any(self._running):
+                    params, self._pending_params = self._pending_params, None
                 free = [i for i, j in enumerate(self._running) if j is None]
+                if self._pending_params is not None:
+                    free = []  # the barrier: drain the running requests on the old weights first
                 admitted = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
             try:
                 if params is not None:
-                    self.device.set_params(params)
+                    self._swap_params(params)
                 if admitted:
                     self._admit(admitted, free)
                 if any(self._running):
@@ -253,6 +272,18 @@ class Engine:
             except Exception as e:  # a device failure fails the requests in flight, not the engine
                 log.exception("engine step failed")
                 self._fail_running(f"engine failure: {e!r}", also=admitted)
+
+    def _swap_params(self, params) -> None:
+        try:
+            self.device.set_params(params)
+        finally:  # even a failed swap must not leave set_params(wait=True) blocked forever
+            with self._cv:
+                for row, _ in self._parked.values():
+                    self._free_park.append(row)
+                self.stats["parked_dropped_on_update"] += len(self._parked)
+                self._parked.clear()
+                self.weights_version += 1
+                self._cv.notify_all()
 
     def _finish(self, job: _Job, reason: str, *, stop_text_at: int | None = None) -> None:
         self.stats["completions"] += 1
@@ -264,6 +295,7 @@ class Engine:
                 prompt_tokens=len(job.prompt),
                 reused_tokens=job.reused,
                 stop_text_at=stop_text_at,
+                weights_version=self.weights_version,
             )
         )
 

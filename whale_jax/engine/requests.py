@@ -58,6 +58,7 @@ class Completion:
     reused_tokens: int = 0  # prompt tokens continued from a parked state instead of prefilled
     stop_text_at: int | None = None
     error: str | None = None
+    weights_version: int = 0  # the engine's weights version that sampled every token
 
 
 class RequestError(ValueError):

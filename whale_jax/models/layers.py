@@ -106,7 +106,15 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(k, cfg, offset=offset, stack=stack, rngs=rngs)
 
     def __call__(
-        self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None, layer=None, fresh=False
+        self,
+        x_BTD,
+        positions_BT,
+        valid_BT,
+        cache=None,
+        lengths_B=None,
+        layer=None,
+        fresh=False,
+        segments_BT=None,
     ):
         """cache: None (self-attention over the T tokens) or (k_BNSK, v_BNSK) for this layer, in
         which case the new keys are written at ``lengths_B + t`` and the updated pair is returned.
@@ -114,7 +122,7 @@ class Attention(nnx.Module):
         are scattered straight into layer g and only that layer is read, so the stack is updated
         in place without slicing a layer out and writing it back. ``fresh``: the cache holds
         nothing yet (a prefill), so the tokens attend to each other only and the cache is just
-        written."""
+        written. ``segments_BT`` (no cache only): tokens attend within their own segment."""
         cfg = self.cfg
         K = cfg.head_dim
         q_BTHX = jnp.einsum("btd,dhx->bthx", x_BTD, self.q_proj[...])
@@ -145,7 +153,7 @@ class Attention(nnx.Module):
             new_cache = (k_cache, v_cache)
         if cache is None or fresh:
             # Nothing earlier to read: the T tokens attend to each other (causal, blocked).
-            out_BTHK = causal_attention(q_BTHK, k_BTNK, v_BTNK, valid_BT)
+            out_BTHK = causal_attention(q_BTHK, k_BTNK, v_BTNK, valid_BT, segments_BT=segments_BT)
         else:
             if layer is None:
                 keys_BNSK, values_BNSK = k_cache, v_cache
@@ -164,6 +172,11 @@ class Attention(nnx.Module):
 
 
 ATTENTION_BLOCK = 256  # query block of the causal self-attention
+# Log-decay at the first token of a packed segment: exp(-120) underflows to exactly 0 in fp32 (the
+# smallest subnormal is exp(-103.3)), so nothing of the previous segment's state survives, while a
+# chunk's cumulative log-decay stays small enough (120 per segment start in its 64 tokens) that
+# fp32 keeps the in-segment decay differences to ~1e-5 relative.
+SEGMENT_RESET_G = -120.0
 
 
 def attend(q_BTHK: Array, keys_BNSK: Array, values_BNSK: Array, allowed_BTS: Array) -> Array:
@@ -200,12 +213,14 @@ def _attend_one(q_BTHK: Array, keys_BNSK: Array, values_BNSK: Array, allowed_BTS
     return out_BNRK.reshape(B, 1, H, K).astype(values_BNSK.dtype)
 
 
-def causal_attention(q_BTHK, k_BTNK, v_BTNK, valid_BT, block: int | None = None) -> Array:
+def causal_attention(
+    q_BTHK, k_BTNK, v_BTNK, valid_BT, block: int | None = None, *, segments_BT=None
+) -> Array:
     """Causal self-attention of T tokens where key s is visible to query t when s <= t and s is
-    valid (a pad query still sees itself, so its row stays finite). Queries go in blocks that
-    read only their causal key prefix — about half the score matrix of the full [T, T] form — with
-    at most 16 blocks so the program stays small at long T. ``block``: default
-    ``ATTENTION_BLOCK``."""
+    valid (a pad query still sees itself, so its row stays finite) and, with ``segments_BT``, s is
+    in t's segment (packed sequences). Queries go in blocks that read only their causal key
+    prefix — about half the score matrix of the full [T, T] form — with at most 16 blocks so the
+    program stays small at long T. ``block``: default ``ATTENTION_BLOCK``."""
     T = q_BTHK.shape[1]
     size = max(block or ATTENTION_BLOCK, -(-T // 16))
     idx = jnp.arange(T)
@@ -214,7 +229,11 @@ def causal_attention(q_BTHK, k_BTNK, v_BTNK, valid_BT, block: int | None = None)
     for start in range(0, T, size):
         end = min(start + size, T)
         rows, cols = idx[start:end, None], idx[None, :end]
-        allowed_BTS = ((rows >= cols) & valid_BT[:, None, :end]) | (rows == cols)
+        allowed_BTS = (rows >= cols) & valid_BT[:, None, :end]
+        if segments_BT is not None:
+            same_BTS = segments_BT[:, start:end, None] == segments_BT[:, None, :end]
+            allowed_BTS = allowed_BTS & same_BTS
+        allowed_BTS = allowed_BTS | (rows == cols)
         keys, values = k_BNTK[:, :, :end], v_BNTK[:, :, :end]
         outs.append(attend(q_BTHK[:, start:end], keys, values, allowed_BTS))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
@@ -252,9 +271,12 @@ class GatedDeltaNet(nnx.Module):
             rngs, stack, (cfg.gdn_value_dim, d), ("gdn_v", "embed"), dtype=dtype
         )
 
-    def __call__(self, x_BTD, valid_BT, cache=None):
+    def __call__(self, x_BTD, valid_BT, cache=None, segments_BT=None):
         """cache: None (fresh sequence) or (conv_BWC, state_BHKV) for this layer; the updated pair is
-        returned. Pads contribute nothing: their conv inputs are zero and g = beta = k = v = 0."""
+        returned. Pads contribute nothing: their conv inputs are zero and g = beta = k = v = 0.
+        ``segments_BT`` (no cache only): packed sequences; a conv tap never reads another
+        segment's token and each segment's first token sets g = ``SEGMENT_RESET_G``, so the state
+        carried in from the previous segment is multiplied by exp(-120), which is 0 in fp32."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         W = cfg.linear_conv_kernel
@@ -270,7 +292,17 @@ class GatedDeltaNet(nnx.Module):
         # Causal depthwise conv over [cached window | new tokens]; output t sees inputs t-W+1 .. t.
         full_BLC = jnp.concatenate([window_BWC, mixed_BTC], axis=1)
         conv_WC = self.conv[...]
-        conv_BTC = sum(full_BLC[:, i : i + T] * conv_WC[i] for i in range(W))
+        if segments_BT is None:
+            conv_BTC = sum(full_BLC[:, i : i + T] * conv_WC[i] for i in range(W))
+        else:
+            seg_BL = jnp.pad(segments_BT, ((0, 0), (W - 1, 0)), constant_values=-1)
+            conv_BTC = sum(
+                jnp.where(
+                    (seg_BL[:, i : i + T] == segments_BT)[..., None], full_BLC[:, i : i + T], 0
+                )
+                * conv_WC[i]
+                for i in range(W)
+            )
         conv_BTC = jax.nn.silu(conv_BTC)
 
         kd, hk, hv = cfg.linear_key_head_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -284,6 +316,9 @@ class GatedDeltaNet(nnx.Module):
         g_BTH = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a_BTH + self.dt_bias[...].astype(jnp.float32)
         )
+        if segments_BT is not None:
+            before_BT = jnp.pad(segments_BT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+            g_BTH = jnp.where((segments_BT != before_BT)[..., None], SEGMENT_RESET_G, g_BTH)
         beta_BTH = jnp.where(valid_BT[..., None], beta_BTH, 0.0)
         g_BTH = jnp.where(valid_BT[..., None], g_BTH, 0.0)
         k_BTHK = jnp.where(keep_BT1[..., None], k_BTHK, 0)

@@ -83,13 +83,23 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, stack=stack, dtype=dtype, rngs=rngs)
 
     def __call__(
-        self, x_BTD, positions_BT, valid_BT, cache=None, lengths_B=None, layer=None, fresh=False
+        self,
+        x_BTD,
+        positions_BT,
+        valid_BT,
+        cache=None,
+        lengths_B=None,
+        layer=None,
+        fresh=False,
+        segments_BT=None,
     ):
         h_BTD = self.input_norm(x_BTD)
         if self.kind == FULL:
-            h_BTD, cache = self.attn(h_BTD, positions_BT, valid_BT, cache, lengths_B, layer, fresh)
+            h_BTD, cache = self.attn(
+                h_BTD, positions_BT, valid_BT, cache, lengths_B, layer, fresh, segments_BT
+            )
         else:
-            h_BTD, cache = self.gdn(h_BTD, valid_BT, cache)
+            h_BTD, cache = self.gdn(h_BTD, valid_BT, cache, segments_BT)
         x_BTD = x_BTD + h_BTD
         return x_BTD + self.mlp(self.post_norm(x_BTD)), cache
 
@@ -107,10 +117,9 @@ class Blocks(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, remat: bool = False):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         self.dtype = dtype
-        self.remat = remat
         d = cfg.hidden_size
         self.embed = make_param(rngs, 0, (cfg.vocab_size, d), ("vocab", "embed"), dtype=dtype)
         self.blocks = Blocks(cfg, dtype=dtype, rngs=rngs)
@@ -120,7 +129,16 @@ class Transformer(nnx.Module):
 
     # -- core ---------------------------------------------------------------------------------
     def _layers(
-        self, x_BTD, positions_BT, valid_BT, cache: DecodeCache | None, groups=None, fresh=False
+        self,
+        x_BTD,
+        positions_BT,
+        valid_BT,
+        cache: DecodeCache | None,
+        groups=None,
+        fresh=False,
+        *,
+        segments_BT=None,
+        remat: bool = False,
     ):
         graphdef, state = nnx.split(self.blocks)
         lengths_B = None if cache is None else cache.lengths
@@ -135,7 +153,9 @@ class Transformer(nnx.Module):
             new_caches = []
             for i in range(blocks.count):
                 if caches is None:
-                    x_BTD, _ = blocks.block(i)(x_BTD, positions_BT, valid_BT)
+                    x_BTD, _ = blocks.block(i)(
+                        x_BTD, positions_BT, valid_BT, segments_BT=segments_BT
+                    )
                     continue
                 block = blocks.block(i)
                 if isinstance(caches[i][0], tuple):  # per-group arrays (unrolled, g static)
@@ -158,7 +178,7 @@ class Transformer(nnx.Module):
                 new_caches.append(jax.tree.map(lambda c, n: c.at[g].set(n), caches[i], layer_cache))
             return (x_BTD, None if caches is None else tuple(new_caches)), None
 
-        if self.remat:
+        if remat:  # keep only each group's input for the backward pass; recompute the rest
             group = jax.checkpoint(group, prevent_cse=False)
         G = self.cfg.num_groups
         layer_caches = None if cache is None else cache.layers
@@ -180,14 +200,38 @@ class Transformer(nnx.Module):
             out = jnp.einsum("btd,dv->btv", h_BTD, self.lm_head[...])
         return out.astype(jnp.float32)
 
-    def hidden(self, tokens_BT: Array, valid_BT: Array | None = None) -> Array:
-        """Final hidden states (before the final norm) for full sequences, no cache."""
+    def hidden(
+        self,
+        tokens_BT: Array,
+        valid_BT: Array | None = None,
+        *,
+        segments_BT: Array | None = None,
+        remat: bool = False,
+    ) -> Array:
+        """Final hidden states (before the final norm) for full sequences, no cache.
+
+        ``segments_BT`` packs several independent sequences into one row (training): tokens with
+        the same id > 0 form one sequence, 0 marks pads, and each sequence must be contiguous.
+        A token then sees only its own sequence: attention is masked by segment, the GDN conv
+        reads no taps across a boundary, the recurrent state restarts at each sequence's first
+        token, and positions count from 0 within it. ``remat`` rematerialises each layer group in
+        the backward pass (chosen per call: a training step at long T wants it, a short one not).
+        """
+        if segments_BT is not None:
+            segments_BT = segments_BT.astype(jnp.int32)
+            if valid_BT is None:
+                valid_BT = segments_BT > 0
         if valid_BT is None:
             valid_BT = jnp.ones(tokens_BT.shape, bool)
         valid_BT = valid_BT.astype(bool)
-        positions_BT = jnp.maximum(jnp.cumsum(valid_BT, axis=-1) - 1, 0)
+        if segments_BT is None:
+            positions_BT = jnp.maximum(jnp.cumsum(valid_BT, axis=-1) - 1, 0)
+        else:
+            positions_BT = segment_positions(segments_BT)
         x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
-        h_BTD, _ = self._layers(x_BTD, positions_BT, valid_BT, None)
+        h_BTD, _ = self._layers(
+            x_BTD, positions_BT, valid_BT, None, segments_BT=segments_BT, remat=remat
+        )
         return h_BTD
 
     def __call__(self, tokens_BT: Array, valid_BT: Array | None = None) -> Array:
@@ -260,6 +304,19 @@ class Transformer(nnx.Module):
         return self.extend(
             cache, tokens_BT, lengths_B, last_only=last_only, groups=groups, fresh=True
         )
+
+
+def segment_starts(segments_BT: Array) -> Array:
+    """True at the first token of each packed sequence (a change of segment id)."""
+    before_BT = jnp.pad(segments_BT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    return segments_BT != before_BT
+
+
+def segment_positions(segments_BT: Array) -> Array:
+    """Each token's index within its (contiguous) segment: t minus the start of its segment."""
+    t_BT = jnp.broadcast_to(jnp.arange(segments_BT.shape[1]), segments_BT.shape)
+    start_BT = jax.lax.cummax(jnp.where(segment_starts(segments_BT), t_BT, 0), axis=1)
+    return t_BT - start_BT
 
 
 def split_groups(blocks_state) -> tuple:

@@ -1,0 +1,193 @@
+"""The SFT update: packed == bucketed, sharded == single device, non-finite steps change nothing,
+learning raises the trained tokens' probability and the engine then samples from the new weights."""
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import whale_jax
+from tests.conftest import REPO
+from tests.engine.conftest import greedy_reference
+from whale_jax.engine import GREEDY, Engine, EngineConfig, Request
+from whale_jax.train.rows import Row
+from whale_jax.train.trainer import OptimConfig, TrainConfig, Trainer
+
+
+def rows_for(vocab, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = tuple(int(x) for x in rng.integers(0, vocab, n))
+        mask = tuple(bool(j >= n // 2) for j in range(n))
+        out.append(Row(ids=ids, mask=mask, episode=i, task_id=f"t{i}", session_id=f"s{i}"))
+    return out
+
+
+def max_rel(a, b):
+    """Largest difference over all leaves, relative to the largest magnitude in ``b``."""
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    diffs = [float(jnp.abs(x - y).max()) for x, y in pairs]
+    scale = max(float(jnp.abs(y).max()) for y in jax.tree.leaves(b))
+    return max(diffs) / scale
+
+
+@pytest.fixture(scope="module")
+def tiny(fixtures_dir):
+    return whale_jax.load_model(fixtures_dir / "tiny_qwen3_5")
+
+
+def test_packed_equals_bucketed_and_accumulation_equals_one_microbatch(tiny):
+    model, cfg, _ = tiny
+    rows = rows_for(cfg.vocab_size, [37, 5, 70, 12, 64, 3])
+    results = {}
+    for name, config in {
+        "packed": TrainConfig(seq_len=128, micro_tokens=128),  # 2 sequences, 2 microbatches
+        "one_micro": TrainConfig(seq_len=128, micro_tokens=1024),
+        "bucketed": TrainConfig(seq_len=128, micro_tokens=256, pack=False, remat=False),
+    }.items():
+        trainer = Trainer(model, config)
+        results[name] = trainer.loss_and_grad(rows)
+        if name == "packed":
+            assert trainer.compile_counts["accumulate"] == 1
+    loss, grads = results["one_micro"]
+    for other in ("packed", "bucketed"):
+        # Reordered fp32 sums over ~100 tokens: relative to the largest gradient entry.
+        assert results[other][0] == pytest.approx(loss, rel=1e-5)
+        assert max_rel(results[other][1], grads) < 1e-4
+
+
+def test_non_finite_loss_changes_nothing(tiny):
+    model, cfg, _ = tiny
+    trainer = Trainer(model, TrainConfig(seq_len=64, micro_tokens=64))
+    rows = rows_for(cfg.vocab_size, [20, 9])
+    ok = trainer.update(rows)
+    assert ok.applied and trainer.step == 1
+    poisoned = jax.tree.map(lambda a: a, trainer.params)
+    poisoned["embed"].set_value(poisoned["embed"].get_value().at[0, 0].set(jnp.inf))
+    trainer.params = poisoned
+    before = jax.tree.map(np.asarray, (trainer.params, trainer.opt_state))
+    bad = trainer.update(rows)
+    assert not bad.applied and not np.isfinite(bad.loss) and trainer.step == 1
+    after = jax.tree.map(np.asarray, (trainer.params, trainer.opt_state))
+    same = jax.tree.map(lambda x, y: np.array_equal(x, y, equal_nan=True), before, after)
+    assert all(jax.tree.leaves(same))
+
+
+def test_no_trained_tokens_no_update(tiny):
+    model, cfg, _ = tiny
+    trainer = Trainer(model, TrainConfig(seq_len=64, micro_tokens=64))
+    before = jax.tree.map(np.asarray, trainer.params)
+    untrained = [Row(ids=(1, 2, 3), mask=(False,) * 3, episode=0, task_id="t", session_id="s")]
+    for rows in ([], untrained):
+        m = trainer.update(rows)
+        assert not m.applied and m.trained_tokens == 0 and trainer.step == 0
+    after = jax.tree.map(np.asarray, trainer.params)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
+
+
+def test_bf16_compute_keeps_fp32_masters(tiny):
+    model, cfg, _ = tiny
+    rows = rows_for(cfg.vocab_size, [30, 18])
+    loss32, _ = Trainer(model, TrainConfig(seq_len=64, micro_tokens=128)).loss_and_grad(rows)
+    trainer = Trainer(model, TrainConfig(seq_len=64, micro_tokens=128, compute_dtype="bfloat16"))
+    loss16, _ = trainer.loss_and_grad(rows)
+    # bf16 keeps 8 mantissa bits (relative 2^-8 per rounding); the NLL of ~6 nats moves ~1%.
+    assert loss16 == pytest.approx(loss32, rel=3e-2)
+    assert loss16 != loss32  # the compute really ran in bf16
+    assert {a.dtype for a in jax.tree.leaves(trainer.params)} == {jnp.dtype(jnp.float32)}
+    assert trainer.update(rows).applied
+    assert {a.dtype for a in jax.tree.leaves(trainer.params)} == {jnp.dtype(jnp.float32)}
+
+
+def test_learning_raises_log_probability_and_the_engine_samples_the_new_weights(fixtures_dir):
+    model, cfg, _ = whale_jax.load_model(fixtures_dir / "tiny_llama")
+    prompt = (5, 17, 42, 99, 7)
+    target = (200, 13, 77, 150, 31, 9)  # the accepted episode's completion
+    row = Row(
+        ids=prompt + target,
+        mask=(False,) * len(prompt) + (True,) * len(target),
+        episode=0,
+        task_id="t",
+        session_id="s",
+    )
+    engine = Engine(model, EngineConfig(slots=2, max_len=32, steps=4), eos_ids=())
+    request = Request(prompt_ids=prompt, sampling=GREEDY.__class__(temperature=0.0,
+                      max_new_tokens=len(target)))  # fmt: skip
+    old = engine.generate([request])[0]
+    assert old.weights_version == 0 and old.token_ids != target
+
+    trainer = Trainer(
+        model, TrainConfig(optim=OptimConfig(learning_rate=3e-2), seq_len=16, micro_tokens=16)
+    )
+    losses = [trainer.update([row]).loss for _ in range(12)]
+    assert losses[-1] < 0.2 * losses[0]  # the accepted tokens' log-probability went up
+    assert all(b < a for a, b in zip(losses[:3], losses[1:4], strict=True))
+
+    assert engine.set_params(trainer.model_state()) == 1
+    new = engine.generate([request])[0]
+    trained_model = trainer.model()
+    (expected,) = greedy_reference(trained_model, [prompt], [len(target)], width=16)
+    assert new.weights_version == 1
+    assert list(new.token_ids) == expected == list(target)
+    engine.close()
+
+
+SHARDED = textwrap.dedent(
+    """
+    import jax, numpy as np
+    from whale_jax import load_model
+    from whale_jax.sharding import make_mesh
+    from whale_jax.train.trainer import Trainer, TrainConfig, OptimConfig
+    from whale_jax.train.rows import Row
+    assert jax.device_count() == 8
+    model = load_model("tests/fixtures/tiny_qwen3_5").model
+    rng = np.random.default_rng(0)
+    rows = []
+    for i, n in enumerate([37, 5, 70, 12, 64, 3, 50, 20, 9, 100, 120, 90]):
+        ids = tuple(int(x) for x in rng.integers(0, 320, n))
+        rows.append(Row(ids=ids, mask=tuple(j >= n // 3 for j in range(n)), episode=i,
+                        task_id="t", session_id=str(i)))
+    config = TrainConfig(optim=OptimConfig(learning_rate=1e-3), seq_len=128, micro_tokens=256)
+    out = {}
+    for name, mesh in [("one", make_mesh(devices=jax.devices()[:1])),
+                       ("eight", make_mesh(data=2, fsdp=2, tp=2))]:
+        t = Trainer(model, config, mesh)
+        loss, grads = t.loss_and_grad(rows)
+        m = t.update(rows)
+        out[name] = (loss, jax.tree.map(np.asarray, grads), m, t)
+    (l1, g1, m1, _), (l8, g8, m8, t8) = out["one"], out["eight"]
+    spec = t8.params["blocks"]["b0"]["mlp"]["gate_proj"].get_value().sharding.spec
+    print("SPEC", spec)
+    assert tuple(spec) == (None, "fsdp", "tp"), spec  # the update kept the FSDP/TP layout
+    assert m8.applied and m8.microbatches == 2 and m1.microbatches == 3
+    assert m1.trained_tokens == m8.trained_tokens
+    # Reordered fp32 sums across shards: the loss to ~1e-6 relative, each gradient entry to a
+    # small fraction of the largest one.
+    assert abs(l1 - l8) <= 1e-5 * l1, (l1, l8)
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(g1))
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)))
+    print("MAXDIFF", diff / scale)
+    assert diff <= 1e-4 * scale, diff / scale
+    """
+)
+
+
+def test_sharded_step_equals_single_device_step():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    import os
+
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "MAXDIFF" in proc.stdout
