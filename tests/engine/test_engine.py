@@ -286,3 +286,43 @@ def test_bf16_engine_follows_the_bf16_forward(fixtures_dir):
         # bf16 logits of the cached path and of the full forward differ by up to ~0.04 here
         # (|logit| ~ 3); a wrong token sits ~0.5-3 below the best.
         assert (picked >= steps.max(-1) - 0.15).all(), (picked, steps.max(-1))
+
+
+def test_set_params_is_a_barrier(tiny_llama):
+    """Requests running when new weights arrive finish on the old weights; everything admitted
+    later runs on the new ones; parked session states (old weights) are dropped; completions say
+    which weights version sampled them."""
+    import time
+
+    import jax
+    from flax import nnx
+
+    model, cfg, _ = tiny_llama
+    engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=1), eos_ids=())
+    old_prompts = prompts_for(cfg.vocab_size, lengths=(4, 6), seed=11)
+    new_prompts = prompts_for(cfg.vocab_size, lengths=(5, 3), seed=12)
+    n = 50
+    parked = engine.generate([Request(prompt_ids=old_prompts[0], sampling=greedy(3), park="conv")])[
+        0
+    ]
+    graphdef, params = nnx.split(model)
+    negated = jax.block_until_ready(jax.tree.map(lambda x: -x, params))
+    running = engine.submit_many([Request(prompt_ids=p, sampling=greedy(n)) for p in old_prompts])
+    while not all(engine._running):  # both admitted and decoding
+        time.sleep(0.0005)
+    assert engine.set_params(negated, wait=False) == 1
+    assert not any(f.done() for f in running)  # the swap really came mid-generation
+    later = engine.submit_many([Request(prompt_ids=p, sampling=greedy(n)) for p in new_prompts])
+    follow = old_prompts[0] + parked.token_ids + (1,)
+    resumed = engine.submit(Request(prompt_ids=follow, sampling=greedy(2), resume="conv"))
+    old_out = [f.result() for f in running]
+    new_out = [f.result() for f in later]
+    assert not any(o.token_ids == () for o in old_out + new_out)
+    new_model = nnx.merge(graphdef, negated)
+    assert [o.weights_version for o in old_out] == [0, 0]
+    assert [list(o.token_ids) for o in old_out] == greedy_reference(model, old_prompts, [n, n])
+    assert [o.weights_version for o in new_out] == [1, 1]
+    assert [list(o.token_ids) for o in new_out] == greedy_reference(new_model, new_prompts, [n, n])
+    assert resumed.result().reused_tokens == 0  # the parked state was computed by old weights
+    assert engine.stats["parked_dropped_on_update"] >= 1
+    engine.close()
