@@ -326,3 +326,24 @@ def test_set_params_is_a_barrier(tiny_llama):
     assert resumed.result().reused_tokens == 0  # the parked state was computed by old weights
     assert engine.stats["parked_dropped_on_update"] >= 1
     engine.close()
+
+
+def test_refused_weights_keep_the_old_ones(tiny_llama):
+    """Weights of another shape are refused by name; the engine keeps its version and serves."""
+    import jax
+    from flax import nnx
+
+    model, cfg, _ = tiny_llama
+    engine = Engine(model, EngineConfig(slots=2, max_len=32, steps=2), eos_ids=())
+    prompt = prompts_for(cfg.vocab_size, lengths=(5,), seed=13)[0]
+    before = engine.generate([Request(prompt_ids=prompt, sampling=greedy(4))])[0]
+    _, params = nnx.split(model)
+    wrong = jax.tree.map(lambda x: x, params)
+    wrong["embed"].set_value(wrong["embed"].get_value()[:-1])
+    with pytest.raises(RuntimeError, match=r"embed.*shape"):
+        engine.set_params(wrong)
+    after = engine.generate([Request(prompt_ids=prompt, sampling=greedy(4))])[0]
+    assert engine.weights_version == 0 and after.weights_version == 0
+    assert after.token_ids == before.token_ids
+    assert engine.set_params(params) == 1
+    engine.close()

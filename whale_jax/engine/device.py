@@ -289,6 +289,21 @@ class DeviceEngine:
         recompiles."""
         if isinstance(params, nnx.Module):
             _, params = nnx.split(params)
+        old_paths = jax.tree_util.tree_flatten_with_path(self.params)[0]
+        new_paths = jax.tree_util.tree_flatten_with_path(params)[0]
+        if [p for p, _ in old_paths] != [p for p, _ in new_paths]:
+            missing = {jax.tree_util.keystr(p) for p, _ in old_paths} ^ {
+                jax.tree_util.keystr(p) for p, _ in new_paths
+            }
+            raise ValueError(
+                f"new weights differ in structure from the engine's: {sorted(missing)[:5]}"
+            )
+        for (path, old), (_, new) in zip(old_paths, new_paths, strict=True):
+            if tuple(old.shape) != tuple(new.shape):
+                raise ValueError(
+                    f"new weight {jax.tree_util.keystr(path)} has shape {tuple(new.shape)}, "
+                    f"the engine's has {tuple(old.shape)}"
+                )
         # A trainer's fp32 master weights into a bf16 engine: cast where they lie, then move.
         params = jax.tree.map(
             lambda new, old: new if new.dtype == old.dtype else new.astype(old.dtype),

@@ -118,8 +118,10 @@ class Engine:
         )
         self._free_park = list(range(park_slots))
         self._pending_params = None
-        self._params_requested = 0
-        self.weights_version = 0  # how many set_params have taken effect; completions carry it
+        self._params_requested = 0  # set_params calls so far
+        self._params_done = 0  # of them, how many the engine thread has dealt with
+        self._swap_error: Exception | None = None
+        self.weights_version = 0  # weight swaps that took effect; completions carry it
         self._closed = False
         self._thread: threading.Thread | None = None
         slot_bytes = cache_bytes_per_slot(self.cfg, c.max_len, model.dtype)
@@ -183,11 +185,17 @@ class Engine:
             self._pending_params = params
             self._ensure_thread()
             self._cv.notify_all()
-            target = self._params_requested = self._params_requested + 1
-            if wait:
-                while self.weights_version < target and not self._closed:
-                    self._cv.wait()
-            return target
+            self._params_requested += 1
+            target = self._params_requested
+            if not wait:
+                return self.weights_version + 1
+            while self._params_done < target and not self._closed:
+                self._cv.wait()
+            if self._params_done < target:
+                raise RuntimeError("engine closed before the new weights took effect")
+            if self._swap_error is not None:
+                raise RuntimeError(f"new weights were refused: {self._swap_error}")
+            return self.weights_version
 
     def close(self) -> None:
         with self._cv:
@@ -255,16 +263,17 @@ class Engine:
                 if self._closed:
                     self._fail_all("engine closed")
                     return
-                params = None
+                params, requested = None, 0
                 if self._pending_params is not None and not any(self._running):
                     params, self._pending_params = self._pending_params, None
+                    requested = self._params_requested  # later calls overwrote earlier ones
                 free = [i for i, j in enumerate(self._running) if j is None]
                 if self._pending_params is not None:
                     free = []  # the barrier: drain the running requests on the old weights first
                 admitted = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
             try:
                 if params is not None:
-                    self._swap_params(params)
+                    self._swap_params(params, requested)
                 if admitted:
                     self._admit(admitted, free)
                 if any(self._running):
@@ -273,17 +282,25 @@ class Engine:
                 log.exception("engine step failed")
                 self._fail_running(f"engine failure: {e!r}", also=admitted)
 
-    def _swap_params(self, params) -> None:
+    def _swap_params(self, params, requested: int) -> None:
+        """Runs with no request in a slot. A failed swap (wrong structure or shapes) keeps the old
+        weights and version, and the waiting ``set_params`` raises; the engine goes on."""
         try:
             self.device.set_params(params)
-        finally:  # even a failed swap must not leave set_params(wait=True) blocked forever
-            with self._cv:
+            error = None
+        except Exception as e:
+            log.exception("set_params failed")
+            error = e
+        with self._cv:
+            self._swap_error = error
+            if error is None:
                 for row, _ in self._parked.values():
                     self._free_park.append(row)
                 self.stats["parked_dropped_on_update"] += len(self._parked)
                 self._parked.clear()
                 self.weights_version += 1
-                self._cv.notify_all()
+            self._params_done = requested
+            self._cv.notify_all()
 
     def _finish(self, job: _Job, reason: str, *, stop_text_at: int | None = None) -> None:
         self.stats["completions"] += 1

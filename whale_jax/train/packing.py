@@ -37,7 +37,10 @@ class Microbatch:
 
     @property
     def trained_tokens(self) -> int:
-        return int(self.mask.sum())
+        """Trained tokens that something predicts: masked in and not the first of a segment (the
+        loss's count, ``loss.targets_and_weights``)."""
+        before = np.pad(self.segments[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+        return int((self.mask & (self.segments == before) & (self.segments > 0)).sum())
 
     @property
     def real_tokens(self) -> int:

@@ -269,10 +269,10 @@ class Trainer:
         n_micro = process_max(len(self.microbatches(rows)))
         batches = self.microbatches(rows, min_microbatches=n_micro)
         count = process_sum(sum(b.trained_tokens for b in batches))
+        if count == 0:
+            return None, None, count, batches
         acc = self._zeros(self.params)
         nll = jnp.zeros((), jnp.float32)
-        if count == 0:
-            return acc, nll, count, batches
         for b in batches:
             self._signatures.setdefault("accumulate", set()).add(b.tokens.shape)
             acc, nll = self._accumulate(
@@ -289,8 +289,9 @@ class Trainer:
         """(token-mean loss, its gradient w.r.t. the master weights) over ``rows``, without
         updating anything: what ``update`` would apply before clipping and AdamW."""
         acc, nll, count, _ = self._accumulate_rows(rows)
-        denom = max(count, 1.0)
-        return float(nll) / denom, jax.tree.map(lambda g: g / denom, acc)
+        if count == 0:
+            return float("nan"), jax.tree.map(jnp.zeros_like, self.params)
+        return float(nll) / count, jax.tree.map(lambda g: g / count, acc)
 
     def update(self, rows: Sequence[Row]) -> UpdateMetrics:
         """One optimizer step on this host's ``rows`` (all hosts call it together)."""
