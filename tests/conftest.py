@@ -1,6 +1,7 @@
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -39,3 +40,43 @@ def tiny_hf_config(**overrides) -> dict:
     )
     cfg.update(overrides)
     return cfg
+
+
+# -- tolerances ----------------------------------------------------------------------------------
+# Float results computed along two paths (or on two CPUs with different vector widths) differ by
+# reordered rounding: a sum of n terms errs by about eps * sqrt(n), at most eps * n, times its
+# largest term, and a model's layers add their errors up. Tolerances are therefore relative to the
+# largest magnitude of the reference, never absolute numbers tuned to one machine.
+EPS32 = float(np.finfo(np.float32).eps)  # 1.19e-7
+EPS_BF16 = float(2.0**-7)  # 7.8e-3: 8 significant bits
+# Two fp32 computations of one quantity through several layers (blocked vs one-block attention,
+# chunked vs recurrent delta rule, cached vs uncached forward, scanned vs unrolled layers, sharded
+# vs single device) differ by 2e-7..4e-6 of its largest magnitude on the development machine and
+# by up to 1.3e-5 on an AMD EPYC (issue 9): up to ~100 eps, from sums over tens to hundreds of
+# terms in each layer. 1e-4 (~840 eps) leaves 8x over the worst seen, while a mask, position or
+# state bug moves results by 1e-2..1 of their scale.
+PATHS_REL = 1e-4
+
+
+def assert_close_to_scale(actual, desired, rel: float, what: str = "") -> None:
+    """max |actual - desired| <= rel * max |desired| (fp64 arithmetic)."""
+    actual = np.asarray(actual, np.float64)
+    desired = np.asarray(desired, np.float64)
+    assert actual.shape == desired.shape, (what, actual.shape, desired.shape)
+    scale = float(np.abs(desired).max()) if desired.size else 0.0
+    err = float(np.abs(actual - desired).max()) if desired.size else 0.0
+    assert err <= rel * scale, (
+        f"{what}: max |error| {err:.3g} > {rel:.3g} x max |reference| {scale:.3g} "
+        f"(error / scale = {err / scale if scale else float('inf'):.3g})"
+    )
+
+
+def assert_trees_close_to_scale(actual, desired, rel: float) -> None:
+    """``assert_close_to_scale`` leaf by leaf: each array against its own largest magnitude."""
+    import jax
+
+    paths = jax.tree_util.tree_leaves_with_path(desired)
+    leaves = jax.tree.leaves(actual)
+    assert len(leaves) == len(paths)
+    for (path, b), a in zip(paths, leaves, strict=True):
+        assert_close_to_scale(a, b, rel, jax.tree_util.keystr(path))

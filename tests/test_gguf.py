@@ -431,6 +431,7 @@ def test_tensors_match_transformers(
     for name, value in ckpt.tensors.items():
         ref = theirs[name].float().numpy()
         assert ref.shape == value.shape, name
+        # Exact: both sides dequantise with gguf-py's numpy code (element-wise, no reductions).
         assert np.abs(ref - value).max() == 0.0, name
     assert set(model.state_dict()) - set(ckpt.tensors) == {"lm_head.weight"}  # tied
 

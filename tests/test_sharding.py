@@ -30,7 +30,9 @@ SCRIPT = textwrap.dedent(
     sharded = Jitted(model)(jax.device_put(jnp.asarray(tokens), batch_sharding(mesh)))
     err = float(np.abs(np.asarray(sharded) - np.asarray(single)).max() / np.abs(single).max())
     print("MAXERR", err)
-    assert err < 1e-5, err  # reduction order differs across shards: ~5e-6 relative
+    # Reduction order differs across shards: 4e-6 of the logits' scale measured (tests/conftest.py
+    # PATHS_REL explains 1e-4); a wrong layout or a missing all-reduce is off by O(1).
+    assert err < 1e-4, err
 
     # The gated delta rule with its heads split over tp (a GDN layer's layout on a tp mesh): each
     # device scans its own heads, nothing is gathered, and the result equals one device's.
@@ -50,9 +52,12 @@ SCRIPT = textwrap.dedent(
     assert o8.sharding.spec == P(None, None, "tp", None), o8.sharding
     hlo = f.lower(*split).compile().as_text()
     assert "all-gather" not in hlo and "f32[2,1,32,16]" in hlo  # one head per device
-    gdn_err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in [(o1, o8), (s1, s8)])
+    # Relative to each result's scale: the per-head arithmetic is the same (exact here), but a
+    # different shape may vectorise the reductions differently on another CPU.
+    gdn_err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+                  for a, b in [(o8, o1), (s8, s1)])
     print("GDN_SPLIT_ERR", gdn_err)
-    assert gdn_err < 1e-5, gdn_err
+    assert gdn_err < 1e-4, gdn_err
     """
 )
 

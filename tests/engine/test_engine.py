@@ -3,11 +3,16 @@
 import numpy as np
 import pytest
 
-from tests.engine.conftest import greedy_reference
+from tests.conftest import EPS_BF16
+from tests.engine.conftest import assert_greedy
 from whale_jax.engine import Engine, EngineConfig, Request, Sampling
 
 LENGTHS = (3, 17, 5, 30, 9, 1, 12)
 N_NEW = (6, 3, 9, 1, 7, 5, 4)
+# Sampled tokens are compared exactly only between runs of one engine whose claim is that a
+# request's logits do not depend on the rest of the batch (rows are computed independently and
+# masked cache positions add exact zeros); an ulp of difference would still flip a Gumbel-max draw
+# only at a near-tie, about 1e-6 per token.
 SAMPLED = Sampling(temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=8)
 
 
@@ -45,7 +50,8 @@ def test_greedy_matches_full_forward_with_slot_refills(setup):
     outs = engine.generate(
         [Request(prompt_ids=p, sampling=greedy(n)) for p, n in zip(prompts, N_NEW, strict=True)]
     )
-    assert [list(o.token_ids) for o in outs] == greedy_reference(model, prompts, N_NEW)
+    assert [len(o.token_ids) for o in outs] == list(N_NEW)
+    assert_greedy(model, prompts, [o.token_ids for o in outs])
     assert all(o.finish_reason == "length" for o in outs)
     # 7 requests through 3 slots: slots were freed and refilled while others were decoding.
     assert engine.stats["prefills"] - before.get("prefills", 0) == len(prompts)
@@ -81,14 +87,17 @@ def test_max_new_tokens_one(setup):
     model, cfg, engine = setup
     prompt = prompts_for(cfg.vocab_size, lengths=(5,))[0]
     out = engine.generate([Request(prompt_ids=prompt, sampling=greedy(1))])[0]
-    assert list(out.token_ids) == greedy_reference(model, [prompt], [1])[0]
-    assert out.finish_reason == "length"
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    assert_greedy(model, [prompt], [out.token_ids])
 
 
 def test_eos_stops_and_frees_the_slot(setup):
-    model, cfg, engine = setup
+    _, cfg, engine = setup
     prompts = prompts_for(cfg.vocab_size, lengths=(4, 6, 8, 5, 7), seed=3)
-    ref = greedy_reference(model, prompts[:1], [6])[0]
+    # The reference is the same batch without the stop id: until the first request stops, the
+    # engine runs the same programs on the same inputs, so its tokens are bit-identical.
+    plain = engine.generate([Request(prompt_ids=p, sampling=greedy(6)) for p in prompts])
+    ref = list(plain[0].token_ids)
     eos = ref[2]
     sampling = Sampling(temperature=0.0, max_new_tokens=6, stop_ids=(eos,))
     outs = engine.generate([Request(prompt_ids=p, sampling=sampling) for p in prompts])
@@ -101,9 +110,10 @@ def test_eos_stops_and_frees_the_slot(setup):
 
 
 def test_stop_strings_cut_exactly(setup):
-    model, cfg, engine = setup
+    _, cfg, engine = setup
     prompt = prompts_for(cfg.vocab_size, lengths=(7,), seed=4)[0]
-    ref = greedy_reference(model, [prompt], [9])[0]
+    # The reference is the engine's own run without stop strings (same programs, same inputs).
+    ref = list(engine.generate([Request(prompt_ids=prompt, sampling=greedy(9))])[0].token_ids)
     text = letters(ref)
     stop = text[4:6]
     at = text.find(stop)
@@ -133,8 +143,8 @@ def test_bad_requests_fail_alone(setup):
     ]  # fmt: skip
     assert all(o.error and not o.token_ids for o in outs[1:-1])
     assert "empty" in outs[1].error and "max_new_tokens" in outs[3].error
-    ref = greedy_reference(model, good, [4, 4])
-    assert [list(outs[0].token_ids), list(outs[-1].token_ids)] == ref
+    assert [len(outs[0].token_ids), len(outs[-1].token_ids)] == [4, 4]
+    assert_greedy(model, good, [outs[0].token_ids, outs[-1].token_ids])
 
 
 def test_long_generation_is_capped_by_the_context(setup):
@@ -145,18 +155,18 @@ def test_long_generation_is_capped_by_the_context(setup):
 
 
 def test_resume_from_parked_state_equals_reprefill(setup):
-    _, cfg, engine = setup
+    """Continuing from a parked state decodes as a prefill of the whole sequence would. The two
+    round differently, so each is checked against the full forward (teacher-forced)."""
+    model, cfg, engine = setup
     prompt, delta = prompts_for(cfg.vocab_size, lengths=(13, 5), seed=7)
-    first = engine.generate([Request(prompt_ids=prompt, sampling=SAMPLED, park="conv")])[0]
+    first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(8), park="conv")])[0]
     follow = prompt + first.token_ids + delta
-    ident = ("turn", 2)
-    resumed = engine.generate(
-        [Request(prompt_ids=follow, sampling=SAMPLED, identity=ident, resume="conv")]
-    )[0]
-    fresh = engine.generate([Request(prompt_ids=follow, sampling=SAMPLED, identity=ident)])[0]
+    resumed = engine.generate([Request(prompt_ids=follow, sampling=greedy(8), resume="conv")])[0]
+    fresh = engine.generate([Request(prompt_ids=follow, sampling=greedy(8))])[0]
     assert resumed.reused_tokens == len(prompt) + len(first.token_ids) - 1
     assert fresh.reused_tokens == 0
-    assert resumed.token_ids == fresh.token_ids
+    assert len(resumed.token_ids) == len(fresh.token_ids) == 8
+    assert_greedy(model, [follow, follow], [resumed.token_ids, fresh.token_ids])
 
 
 def test_new_weights_without_recompiling(setup):
@@ -179,10 +189,11 @@ def test_new_weights_without_recompiling(setup):
 
 def test_scanned_decoding_equals_unrolled(tiny_qwen3_5):
     """The accelerator path (layers scanned over stacked weights) and the CPU default (unrolled
-    over per-group weights) sample the same tokens, fresh and resumed from a parked state."""
+    over per-group weights) both decode the full forward's greedy tokens, fresh and resumed from a
+    parked state. They round differently (~3e-6 of the logits' scale), so each is checked against
+    the forward teacher-forced rather than token for token against the other."""
     model, cfg, _ = tiny_qwen3_5
     prompts = prompts_for(cfg.vocab_size, seed=9)
-    outs = {}
     for unroll in (False, True):
         engine = Engine(
             model,
@@ -190,19 +201,20 @@ def test_scanned_decoding_equals_unrolled(tiny_qwen3_5):
             eos_ids=(),
         )
         assert engine.device.unroll is unroll and (engine.device.groups is None) is not unroll
-        reqs = [Request(prompt_ids=p, sampling=SAMPLED, identity=(i,), park=f"s{i}")
+        reqs = [Request(prompt_ids=p, sampling=greedy(8), park=f"s{i}")
                 for i, p in enumerate(prompts)]  # fmt: skip
         first = engine.generate(reqs)
-        follow = [
-            Request(prompt_ids=p + o.token_ids + (1, 2), sampling=SAMPLED, identity=(i, 1),
-                    resume=f"s{i}")
-            for i, (p, o) in enumerate(zip(prompts, first, strict=True))
-        ]  # fmt: skip
+        follow = [Request(prompt_ids=p + o.token_ids + (1, 2), sampling=greedy(8), resume=f"s{i}")
+                  for i, (p, o) in enumerate(zip(prompts, first, strict=True))]  # fmt: skip
         second = engine.generate(follow)
-        assert any(o.reused_tokens > 0 for o in second)
-        outs[unroll] = [o.token_ids for o in first + second]
         engine.close()
-    assert outs[False] == outs[True]
+        assert any(o.reused_tokens > 0 for o in second)
+        assert all(len(o.token_ids) == 8 for o in first + second)
+        assert_greedy(
+            model,
+            prompts + [r.prompt_ids for r in follow],
+            [o.token_ids for o in first + second],
+        )
 
 
 def test_a_failing_admission_fails_its_requests_and_the_engine_goes_on(setup, monkeypatch):
@@ -283,9 +295,12 @@ def test_bf16_engine_follows_the_bf16_forward(fixtures_dir):
         steps = logits[len(prompt) - 1 : len(seq) - 1]
         picked = steps[np.arange(len(out.token_ids)), list(out.token_ids)]
         assert len(out.token_ids) == 8
-        # bf16 logits of the cached path and of the full forward differ by up to ~0.04 here
-        # (|logit| ~ 3); a wrong token sits ~0.5-3 below the best.
-        assert (picked >= steps.max(-1) - 0.15).all(), (picked, steps.max(-1))
+        # bf16 logits of the cached path and of the full forward differ by up to 0.06 here, 1.7 eps
+        # of their scale (4.4): activations are rounded to bf16 at different points. The picked
+        # and the best logit may each be off by that, so 8 eps (~0.27) leaves 2.3x; a wrong token
+        # typically sits 0.5-3 below the best.
+        tol = 8 * EPS_BF16 * np.abs(steps).max()
+        assert (picked >= steps.max(-1) - tol).all(), (picked, steps.max(-1), tol)
 
 
 def test_set_params_is_a_barrier(tiny_llama):
