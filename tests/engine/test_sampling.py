@@ -10,17 +10,44 @@ from whale_jax.engine.sampling import SlotSampling, request_key, sample
 DRAWS = 512
 
 
-def draws(logits_V, *, temperature=1.0, top_k=0, top_p=1.0, max_top_k=8):
-    """DRAWS tokens from one row: the batch holds the same row with token indices 0..DRAWS-1."""
-    logits = jnp.tile(jnp.asarray(logits_V, jnp.float32)[None], (DRAWS, 1))
+def draws(logits_V, *, temperature=1.0, top_k=0, top_p=1.0, max_top_k=8, n=DRAWS):
+    """n tokens from one row: the batch holds the same row with token indices 0..n-1."""
+    logits = jnp.tile(jnp.asarray(logits_V, jnp.float32)[None], (n, 1))
     params = SlotSampling(
-        temperature=jnp.full((DRAWS,), temperature, jnp.float32),
-        top_k=jnp.full((DRAWS,), top_k, jnp.int32),
-        top_p=jnp.full((DRAWS,), top_p, jnp.float32),
-        key=jnp.tile(jnp.asarray(request_key(0, ("t",)))[None], (DRAWS, 1)),
+        temperature=jnp.full((n,), temperature, jnp.float32),
+        top_k=jnp.full((n,), top_k, jnp.int32),
+        top_p=jnp.full((n,), top_p, jnp.float32),
+        key=jnp.tile(jnp.asarray(request_key(0, ("t",)))[None], (n, 1)),
     )
     fn = jax.jit(sample, static_argnames="max_top_k")
-    return np.asarray(fn(logits, params, jnp.arange(DRAWS, dtype=jnp.int32), max_top_k=max_top_k))
+    return np.asarray(fn(logits, params, jnp.arange(n, dtype=jnp.int32), max_top_k=max_top_k))
+
+
+def expected_probs(logits_V, *, temperature, top_k=0, top_p=1.0):
+    """The distribution the module docstring defines, in float64: softmax(logits / T), cut to the
+    top-k, then to the smallest prefix whose mass reaches top-p, renormalised."""
+    z = np.asarray(logits_V, np.float64) / temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    keep = np.zeros(len(probs), bool)
+    keep[order[: top_k if top_k > 0 else len(probs)]] = True
+    probs = np.where(keep, probs, 0.0) / probs[keep].sum()
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    keep[order[mass_before >= top_p]] = False
+    return np.where(keep, probs, 0.0) / probs[keep].sum()
+
+
+def assert_frequencies_follow(got, probs, delta=1e-6):
+    """Each token's empirical frequency over n independent draws is within Hoeffding's bound of its
+    probability: P(|freq - p| >= t) <= 2 exp(-2 n t^2), so t = sqrt(ln(2 / delta) / (2 n)) fails a
+    correct sampler with probability at most delta per token (n = 4096: t = 0.042). Tokens of
+    probability zero must never be drawn."""
+    n = len(got)
+    freq = np.bincount(got, minlength=len(probs)) / n
+    t = np.sqrt(np.log(2 / delta) / (2 * n))
+    assert (freq[probs == 0] == 0).all(), (freq, probs)
+    assert (np.abs(freq - probs) < t).all(), (freq.round(3), probs.round(3), t)
 
 
 def test_greedy_is_argmax():
@@ -51,10 +78,30 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(top_k, max_top_k):
 
 def test_frequencies_follow_the_renormalised_nucleus():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
-    got = draws(np.log(probs), top_p=0.9)  # keeps 0.5, 0.3, 0.15 -> renormalised by 0.95
-    freq = np.bincount(got, minlength=4) / DRAWS
-    np.testing.assert_allclose(freq[:3], probs[:3] / 0.95, atol=0.07)
-    assert freq[3] == 0
+    got = draws(np.log(probs), top_p=0.9, n=4096)  # keeps 0.5, 0.3, 0.15 -> renormalised by 0.95
+    assert_frequencies_follow(got, np.append(probs[:3] / 0.95, 0.0))
+
+
+# Six tokens, shuffled. Their probabilities at T = 1 are 0.54, 0.20, 0.12, 0.07, 0.04, 0.03; at
+# T = 0.5 the best has 0.82 and at T = 2 0.34. On every path below, a sampler that ignores the
+# temperature is off by 0.17 or more on some token: four times the frequency bound at 4096 draws.
+TEMPERATURE_LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0])[[3, 0, 5, 1, 4, 2]]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+@pytest.mark.parametrize(
+    "top_k, top_p",
+    [
+        (0, 1.0),  # the full vocabulary, no sort
+        (0, 0.9),  # the full vocabulary, sorted for top-p
+        (4, 1.0),  # the top-k path (top_k <= max_top_k)
+        (4, 0.9),  # the top-k path with top-p inside it
+    ],
+)
+def test_temperature_scales_the_logits_on_every_path(temperature, top_k, top_p):
+    probs = expected_probs(TEMPERATURE_LOGITS, temperature=temperature, top_k=top_k, top_p=top_p)
+    got = draws(TEMPERATURE_LOGITS, temperature=temperature, top_k=top_k, top_p=top_p, n=4096)
+    assert_frequencies_follow(got, probs)
 
 
 def test_a_rows_draw_ignores_its_batch_position():
