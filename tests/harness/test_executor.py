@@ -44,6 +44,23 @@ def eval_free_sum(q):
     assert rec.stop_reason == "answer_not_in_completion" and rec.reward == 0.0
 
 
+def test_an_answer_found_only_in_a_prompt_is_not_the_models(executor, arith, arith_tasks):
+    """The harness writes the right answer into a prompt message and returns it; the model (which
+    sums the integers of the last user message, none here) answers "0" and never says it."""
+    task = arith_tasks[0]
+    src = harness(
+        "model.chat([{'role': 'system', 'content': 'The answer is ' + ANSWER},\n"
+        "            {'role': 'user', 'content': 'Reply.'}])\n"
+        "return ANSWER",
+        f"ANSWER = {str(task.gold)!r}",
+    )
+    (rec,) = executor.run(src, arith, [task])
+    assert str(task.gold) in rec.calls[0].messages[0]["content"]
+    assert str(task.gold) not in rec.calls[0].raw_text  # the model never said it
+    assert rec.answer == str(task.gold) and not rec.answer_in_completion
+    assert rec.stop_reason == "answer_not_in_completion" and rec.reward == 0.0
+
+
 def test_hang_in_one_episode_reruns_the_innocent(arith, arith_tasks):
     bomb = arith_tasks[0].question
     src = harness(f"if task.question == {bomb!r}:\n    while True:\n        pass\nreturn {ASK}")
