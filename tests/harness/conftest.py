@@ -40,7 +40,7 @@ def executor():
         yield ex
 
 
-def make_executor(delay_s: float = 0.0, **overrides) -> Executor:
+def make_executor(delay_s: float = 0.0, respond=add_numbers, **overrides) -> Executor:
     config = dict(concurrency=8, budgets=TEST_BUDGETS, limits=TEST_LIMITS, load_timeout_s=20.0)
     config.update(overrides)
-    return Executor(ScriptedBackend(add_numbers, delay_s=delay_s), ExecutorConfig(**config))
+    return Executor(ScriptedBackend(respond, delay_s=delay_s), ExecutorConfig(**config))

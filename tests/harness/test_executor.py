@@ -139,6 +139,27 @@ def test_assistant_tokens_clip_max_new_tokens(executor, arith, arith_tasks):
     assert rec.calls[0].settings["max_new_tokens"] == TEST_BUDGETS.assistant_tokens
 
 
+def test_max_new_tokens_is_what_the_episode_has_left(arith, arith_tasks):
+    """Each call may generate at most the assistant tokens left after the earlier calls'
+    completions, not the whole budget again."""
+    received = []
+
+    def respond(request):  # 50 byte tokens and an end of sequence: 51 completion tokens
+        received.append(request.settings.max_new_tokens)
+        return "x" * 50
+
+    src = harness(
+        "for i in range(3):\n"
+        "    model.chat([{'role': 'user', 'content': f'call {i}'}], max_new_tokens=100000)"
+    )
+    with make_executor(respond=respond) as ex:
+        (rec,) = ex.run(src, arith, arith_tasks[:1])
+    assert [c.completion_tokens for c in rec.calls] == [51, 51, 51]
+    budget = TEST_BUDGETS.assistant_tokens
+    assert received == [budget, budget - 51, budget - 102]
+    assert [c.settings["max_new_tokens"] for c in rec.calls] == received
+
+
 def test_gold_in_prompt_is_flagged(executor, arith, arith_tasks):
     task = arith_tasks[0]
     src = harness(
