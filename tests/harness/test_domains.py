@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -15,7 +18,8 @@ from harness.domains import arith, searchqa
 from harness.domains import chess as chessdom
 from harness.domains import math as mathdom
 from harness.domains.base import EpisodeContext, Task
-from harness.splits import split_by_hash
+from harness.splits import key_rank, split_by_hash
+from tests.conftest import REPO
 
 # ---- math ------------------------------------------------------------------------------------
 
@@ -276,6 +280,42 @@ def test_splits_are_disjoint_stable_and_keyed():
     assert not (keys["search"] & keys["test"]) and not (keys["train"] & keys["search"])
     c = split_by_hash(items, key, seed=8, sizes={"search": 20, "test": 30})
     assert sorted(c["search"]) != sorted(a["search"])
+
+
+SPLIT_ITEMS = [f"item-{i}" for i in range(60)]
+SPLIT_SIZES = {"search": 10, "test": 10}
+
+
+def test_split_membership_does_not_depend_on_the_process():
+    """Splits are recomputed in every run, so a fresh interpreter with another string-hash seed
+    (PYTHONHASHSEED) must put every item where this one does."""
+    here = split_by_hash(SPLIT_ITEMS, str, seed=7, sizes=SPLIT_SIZES)
+    code = (
+        "import json\n"
+        "from harness.splits import split_by_hash\n"
+        f"print(json.dumps(split_by_hash({SPLIT_ITEMS!r}, str, seed=7, sizes={SPLIT_SIZES!r})))"
+    )
+    for hash_seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=hash_seed)
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout) == here, hash_seed
+
+
+def test_split_membership_is_pinned():
+    """Which tasks are held out is part of an experiment's definition: a change to the ranking
+    (another hash, another encoding of seed and key) would silently move tasks between train and
+    test. Golden values of the blake2b ranking."""
+    split = split_by_hash(
+        [f"task-{i}" for i in range(12)], str, seed=7, sizes={"search": 3, "test": 3}
+    )
+    assert split == {
+        "search": ["task-4", "task-5", "task-11"],
+        "test": ["task-6", "task-1", "task-10"],
+        "train": ["task-3", "task-0", "task-2", "task-7", "task-9", "task-8"],
+    }
+    assert key_rank("task-0", 7) == 0x9B1DE72CF8AB2416
 
 
 def test_chess_splits_keep_a_position_in_one_split(mate_puzzles):
