@@ -301,8 +301,11 @@ def test_synthetic_roundtrip(tmp_path: pathlib.Path) -> None:
     assert c["vocab_size"] == 64 and c["bos_token_id"] is None
     assert set(got.tensors) == set(tensors)
     for name, value in expected.items():
+        # Exact: the reader and `expected` make the same element-wise conversions.
         np.testing.assert_array_equal(got.tensors[name], value, err_msg=name)
         if not got.quant_types[name].startswith("Q"):
+            # F16 rounds each value by at most 2^-11 = 4.9e-4 of it (less than 3e-8 absolute in
+            # its subnormal range); a permuted or misread tensor is off by O(1).
             np.testing.assert_allclose(got.tensors[name], tensors[name], rtol=1e-3, atol=1e-3)
     assert {"F32", "F16", "Q8_0"} == set(got.quant_types.values())
     md = got.metadata
