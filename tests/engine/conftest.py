@@ -78,15 +78,16 @@ def assert_greedy(model, prompts, outputs, *, rel=PATHS_REL, width=64):
     whose logit is within ``rel * max|logits|`` of the best also passes: only a near-tie can be
     decided either way, and anywhere else only the argmax passes. Forcing the engine's own tokens
     keeps one such tie from derailing the rest of the comparison."""
+    seqs = [list(prompt) + list(out) for prompt, out in zip(prompts, outputs, strict=True)]
+    assert all(outputs) and max(map(len, seqs)) <= width
+    tokens = np.zeros((len(seqs), width), np.int32)
+    for i, seq in enumerate(seqs):
+        tokens[i, : len(seq)] = seq
+    valid = np.arange(width)[None] < np.array([len(seq) for seq in seqs])[:, None]
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda s, t, v: nnx.merge(graphdef, s)(t, v))
-    for prompt, out in zip(prompts, outputs, strict=True):
-        seq = list(prompt) + list(out)
-        assert out and len(seq) <= width
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, : len(seq)] = seq
-        valid = np.arange(width)[None] < len(seq)
-        logits = np.asarray(forward(state, jnp.asarray(tokens), jnp.asarray(valid))[0])
+    all_logits = np.asarray(forward(state, jnp.asarray(tokens), jnp.asarray(valid)))
+    for prompt, out, seq, logits in zip(prompts, outputs, seqs, all_logits, strict=True):
         steps = logits[len(prompt) - 1 : len(seq) - 1]  # the logits each token was picked from
         picked = steps[np.arange(len(out)), list(out)]
         best = steps.max(-1)

@@ -194,6 +194,7 @@ def test_scanned_decoding_equals_unrolled(tiny_qwen3_5):
     the forward teacher-forced rather than token for token against the other."""
     model, cfg, _ = tiny_qwen3_5
     prompts = prompts_for(cfg.vocab_size, seed=9)
+    checked_prompts, checked_outputs = [], []
     for unroll in (False, True):
         engine = Engine(
             model,
@@ -210,11 +211,9 @@ def test_scanned_decoding_equals_unrolled(tiny_qwen3_5):
         engine.close()
         assert any(o.reused_tokens > 0 for o in second)
         assert all(len(o.token_ids) == 8 for o in first + second)
-        assert_greedy(
-            model,
-            prompts + [r.prompt_ids for r in follow],
-            [o.token_ids for o in first + second],
-        )
+        checked_prompts += prompts + [r.prompt_ids for r in follow]
+        checked_outputs += [o.token_ids for o in first + second]
+    assert_greedy(model, checked_prompts, checked_outputs)
 
 
 def test_a_failing_admission_fails_its_requests_and_the_engine_goes_on(setup, monkeypatch):
