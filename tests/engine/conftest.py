@@ -51,25 +51,6 @@ def qwen_chat_model():
     return whale_jax.random_model(cfg, seed=0)
 
 
-def greedy_reference(model, prompts, n_new, width=64):
-    """Greedy continuation by full forward passes (no cache). Equal to an engine's greedy tokens
-    only where no two logits are within rounding of each other; ``assert_greedy`` checks an
-    engine's tokens teacher-forced instead, which a near-tie cannot derail."""
-    graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda s, t, v: nnx.merge(graphdef, s)(t, v))
-    outs = []
-    for prompt, n in zip(prompts, n_new, strict=True):
-        seq = list(prompt)
-        for _ in range(n):
-            tokens = np.zeros((1, width), np.int32)
-            tokens[0, : len(seq)] = seq
-            valid = np.arange(width)[None] < len(seq)
-            logits = forward(state, jnp.asarray(tokens), jnp.asarray(valid))
-            seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
-        outs.append(seq[len(prompt) :])
-    return outs
-
-
 def assert_greedy(model, prompts, outputs, *, rel=PATHS_REL, width=64):
     """Teacher-forced oracle for greedy decoding: each token in ``outputs[i]`` is the argmax of a
     full forward pass (no cache) over the prompt and the tokens picked before it.

@@ -167,14 +167,18 @@ class Trainer:
         self.mesh = mesh if mesh is not None else make_mesh()
         self.cfg = model.cfg
         compute = _DTYPES[config.compute_dtype]
-        graphdef, state = nnx.split(model)
+        _, state = nnx.split(model)
+
         # The compute model: the same graph with activations (and cast weights) in compute_dtype;
         # its abstract state is the template of which weights are cast (norm scales, A_log and
         # dt_bias stay fp32, as the model builds them).
-        abstract = nnx.eval_shape(lambda: Transformer(model.cfg, dtype=compute, rngs=nnx.Rngs(0)))
-        self._compute_graphdef, template = nnx.split(abstract)
+        def graph(dtype):
+            abstract = nnx.eval_shape(lambda: Transformer(model.cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+            return nnx.split(abstract)
+
+        self._compute_graphdef, template = graph(compute)
         self._compute_dtypes = jax.tree.map(lambda a: a.dtype, template)
-        self._master_graphdef = graphdef
+        self._master_graphdef = graph(jnp.float32)[0]  # ``model()``: fp32 weights and activations
         self.shardings = param_shardings(state, self.mesh)
         # A jitted copy: the masters never alias the model's arrays (updates donate them).
         self.params = jax.jit(
