@@ -171,6 +171,35 @@ SHARDED = textwrap.dedent(
     diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)))
     print("MAXDIFF", diff / scale)
     assert diff <= 1e-4 * scale, diff / scale
+
+    # FSDP gathers weights, never a batch of activations. Compiled ahead of time (no weights) at
+    # widths where XLA, left alone, would rather gather whole [8, 256, ...] activation batches.
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tests.conftest import tiny_hf_config
+    from whale_jax.config import ModelConfig
+    from whale_jax.weights import abstract_model
+    cfg = ModelConfig.from_hf(tiny_hf_config(hidden_size=256, intermediate_size=768,
+        vocab_size=4096, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64))
+    mesh = make_mesh(data=1, fsdp=8, tp=1)
+    graphdef, abstract = nnx.split(abstract_model(cfg, jax.numpy.float32))
+    built = {}
+    def construct(state):
+        built["t"] = Trainer(nnx.merge(graphdef, state), TrainConfig(seq_len=256,
+                             micro_tokens=8 * 256), mesh)
+        return built["t"].params
+    shapes = jax.eval_shape(construct, abstract)
+    t = built["t"]
+    typed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         shapes, t.shardings)
+    scalar = jax.ShapeDtypeStruct((), np.float32, sharding=NamedSharding(mesh, P()))
+    ids = jax.ShapeDtypeStruct((8, 256), np.int32, sharding=t._batch_sharding)
+    mask = jax.ShapeDtypeStruct((8, 256), np.bool_, sharding=t._batch_sharding)
+    hlo = t._accumulate.lower(typed, typed, scalar, ids, ids, mask).compile().as_text()
+    gathered = [l.split("=", 1)[1].split("all-gather(")[0].strip() for l in hlo.splitlines()
+                if "all-gather(" in l]
+    print("GATHERED", sorted(set(gathered)))
+    assert gathered and not [g for g in gathered if g.startswith("f32[8,256,")], gathered
     """
 )
 

@@ -139,6 +139,7 @@ class Transformer(nnx.Module):
         *,
         segments_BT=None,
         remat: bool = False,
+        act_sharding=None,
     ):
         graphdef, state = nnx.split(self.blocks)
         lengths_B = None if cache is None else cache.lengths
@@ -148,6 +149,8 @@ class Transformer(nnx.Module):
 
         def group(carry, xs):
             x_BTD, caches = carry
+            if act_sharding is not None:
+                x_BTD = jax.lax.with_sharding_constraint(x_BTD, act_sharding)
             g, group_state = xs
             blocks = nnx.merge(graphdef, group_state)
             new_caches = []
@@ -207,6 +210,7 @@ class Transformer(nnx.Module):
         *,
         segments_BT: Array | None = None,
         remat: bool = False,
+        act_sharding=None,
     ) -> Array:
         """Final hidden states (before the final norm) for full sequences, no cache.
 
@@ -216,6 +220,10 @@ class Transformer(nnx.Module):
         reads no taps across a boundary, the recurrent state restarts at each sequence's first
         token, and positions count from 0 within it. ``remat`` rematerialises each layer group in
         the backward pass (chosen per call: a training step at long T wants it, a short one not).
+        ``act_sharding`` (a sharding of [B, T, D] activations, e.g. batch over data x fsdp) pins
+        the residual stream's layout at the embedding and at every layer group; without it an
+        FSDP mesh, whose weights split D over fsdp, lets XLA gather whole batches of
+        activations onto every device.
         """
         if segments_BT is not None:
             segments_BT = segments_BT.astype(jnp.int32)
@@ -229,9 +237,19 @@ class Transformer(nnx.Module):
         else:
             positions_BT = segment_positions(segments_BT)
         x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
+        if act_sharding is not None:
+            x_BTD = jax.lax.with_sharding_constraint(x_BTD, act_sharding)
         h_BTD, _ = self._layers(
-            x_BTD, positions_BT, valid_BT, None, segments_BT=segments_BT, remat=remat
+            x_BTD,
+            positions_BT,
+            valid_BT,
+            None,
+            segments_BT=segments_BT,
+            remat=remat,
+            act_sharding=act_sharding,
         )
+        if act_sharding is not None:
+            h_BTD = jax.lax.with_sharding_constraint(h_BTD, act_sharding)
         return h_BTD
 
     def __call__(self, tokens_BT: Array, valid_BT: Array | None = None) -> Array:

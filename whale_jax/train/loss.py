@@ -41,10 +41,14 @@ def nll_sum(
     *,
     chunk: int = 256,
     remat: bool = True,
+    act_sharding=None,
 ) -> tuple[Array, Array]:
-    """(sum of the trained tokens' NLL, number of trained tokens) over one microbatch, fp32."""
-    h_BTD = model.hidden(tokens_BT, segments_BT=segments_BT, remat=remat)
-    return nll_from_hidden(model, h_BTD, tokens_BT, segments_BT, mask_BT, chunk=chunk)
+    """(sum of the trained tokens' NLL, number of trained tokens) over one microbatch, fp32.
+    ``act_sharding``: the layout of [B, T, D] activations (``Transformer.hidden``)."""
+    h_BTD = model.hidden(tokens_BT, segments_BT=segments_BT, remat=remat, act_sharding=act_sharding)
+    return nll_from_hidden(
+        model, h_BTD, tokens_BT, segments_BT, mask_BT, chunk=chunk, act_sharding=act_sharding
+    )
 
 
 def nll_from_hidden(
@@ -55,6 +59,7 @@ def nll_from_hidden(
     mask_BT: Array,
     *,
     chunk: int = 256,
+    act_sharding=None,
 ) -> tuple[Array, Array]:
     """``nll_sum`` from the final hidden states (before the final norm)."""
     target_BT, weight_BT = targets_and_weights(tokens_BT, segments_BT, mask_BT)
@@ -73,6 +78,8 @@ def nll_from_hidden(
 
     @jax.checkpoint
     def chunk_nll(h_BCD, target_BC, weight_BC):
+        if act_sharding is not None:  # rows stay on their devices; the vocabulary is not gathered
+            h_BCD = jax.lax.with_sharding_constraint(h_BCD, act_sharding)
         logits_BCV = model.logits(h_BCD)  # fp32
         lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
         picked_BC = jnp.take_along_axis(logits_BCV, target_BC[..., None], axis=-1)[..., 0]

@@ -200,6 +200,8 @@ class Trainer:
         self.step = 0  # optimizer updates applied
         self.batch_shards = int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp")]))
         self._batch_sharding = NamedSharding(self.mesh, PartitionSpec(("data", "fsdp"), None))
+        # [B, T, D] activations: rows over data x fsdp, like the batch (see Transformer.hidden).
+        self._act_sharding = NamedSharding(self.mesh, PartitionSpec(("data", "fsdp"), None, None))
         self._signatures: dict[str, set] = {}
         self._build()
 
@@ -213,7 +215,13 @@ class Trainer:
             cast = jax.tree.map(lambda a, d: a.astype(d), params, dtypes)
             model = nnx.merge(cgraph, cast)
             return nll_sum(
-                model, tokens, segments, mask, chunk=c.loss_chunk, remat=c.remat
+                model,
+                tokens,
+                segments,
+                mask,
+                chunk=c.loss_chunk,
+                remat=c.remat,
+                act_sharding=self._act_sharding,
             )  # (sum, count)
 
         grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
