@@ -149,7 +149,7 @@ class Watchdog:
             self.results["error"] = msg
             print_summary(self.results)
             if self.out is not None:
-                _save(self.results, self.out)
+                save_results(self.results, self.out)
                 print(f"partial results in {self.out}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(3)
@@ -164,9 +164,11 @@ def _progress(msg: str) -> None:
         print(f"    [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _save(results: dict, out: Path) -> None:
+def save_results(results: dict, out: Path | str) -> None:
+    """Writes a benchmark's results as indented JSON (non-JSON values as strings)."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    out.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
 def _load() -> float:
@@ -922,7 +924,7 @@ def main(argv=None) -> int:
 
     def checkpoint():
         if not args.no_save:
-            _save(results, args.out)
+            save_results(results, args.out)
 
     if "matmul" in sections:
         mm = bench_matmul(2048, reps)
@@ -974,7 +976,7 @@ def main(argv=None) -> int:
     print_summary(results)
     print(f"\ntotal {results['total_s']:.0f} s, load at end {results['machine']['load_avg_end']}")
     if not args.no_save:
-        _save(results, args.out)
+        save_results(results, args.out)
         print(f"wrote {os.path.relpath(args.out)}")
     return 0
 

@@ -12,7 +12,6 @@ comparison is between our two layouts, on the same rows, in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_model import QWEN3_5_SMALL, machine_info  # noqa: E402
+from bench_model import QWEN3_5_SMALL, machine_info, save_results  # noqa: E402
 
 import whale_jax  # noqa: E402
 from whale_jax.train.packing import pad_fraction  # noqa: E402
@@ -90,8 +89,7 @@ def main(argv=None) -> int:
             flush=True,
         )
     out = {"machine": machine_info(), "args": vars(args), "config": "qwen3_5_small", **results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    save_results(out, args.out)
     print(f"wrote {args.out}")
     return 0
 

@@ -63,7 +63,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_engine import flops_per_token, load_models  # noqa: E402
-from bench_model import WATCHDOG, bench_matmul, machine_info, time_cases  # noqa: E402
+from bench_model import (  # noqa: E402
+    WATCHDOG,
+    bench_matmul,
+    machine_info,
+    save_results,
+    time_cases,
+)
 
 RESULTS = REPO / "benchmarks" / "results" / "train.json"
 AOT_RESULTS = REPO / "benchmarks" / "results" / "train_aot.json"
@@ -601,11 +607,6 @@ def _mesh(text: str) -> tuple[int, int, int]:
     return parts
 
 
-def _write(report: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=["train", "aot"], action="append", help="repeatable")
@@ -684,13 +685,13 @@ def main(argv=None) -> int:
         for name in [m for m in args.models.split(",") if m]:
             with tempfile.TemporaryDirectory() as tmp:
                 report["models"][name] = bench_train_model(name, args, Path(tmp), report["matmul"])
-            _write(report, args.out)  # after each model: partial runs keep data
+            save_results(report, args.out)  # after each model: partial runs keep data
             gc.collect()
         bad = [(n, k, v["loss_rel_diff"]) for n, m in report["models"].items()
                for k, v in m["variants"].items() if not v["loss_rel_diff"] <= 1e-3]  # fmt: skip
         report["loss_agreement_ok"] = not bad
         report["machine"]["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-        _write(report, args.out)
+        save_results(report, args.out)
         print_train(report)
         print(f"wrote {os.path.relpath(args.out)}")
         if bad:
@@ -701,7 +702,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         aot = {"machine": machine, "args": arg_record, **bench_aot(args)}
         aot["total_s"] = time.perf_counter() - t0
-        _write(aot, args.aot_out)
+        save_results(aot, args.aot_out)
         print_aot(aot)
         print(f"wrote {os.path.relpath(args.aot_out)}")
     return status

@@ -14,14 +14,13 @@ weight sync / evaluation) and writes the curve to JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_model import machine_info  # noqa: E402
+from bench_model import machine_info, save_results  # noqa: E402
 
 from harness.domains.arith import ArithDomain, generate  # noqa: E402
 from harness.executor import Executor, ExecutorConfig  # noqa: E402
@@ -127,8 +126,7 @@ def main(argv=None) -> int:
     executor.close()
     client.close()
     out = {"machine": machine_info(), "args": vars(args), "curve": curve}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    save_results(out, args.out)
     print(f"wrote {args.out}")
     return 0
 
