@@ -179,6 +179,12 @@ ATTENTION_BLOCK = 256  # query block of the causal self-attention
 SEGMENT_RESET_G = -120.0
 
 
+def segment_starts(segments_BT: Array) -> Array:
+    """True at the first token of each packed sequence (a change of segment id)."""
+    before_BT = jnp.pad(segments_BT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    return segments_BT != before_BT
+
+
 def attend(q_BTHK: Array, keys_BNSK: Array, values_BNSK: Array, allowed_BTS: Array) -> Array:
     """Softmax attention of T queries over S keys (GQA: H query heads share N kv heads) where
     ``allowed_BTS``; scores and softmax in fp32. Keys and values are laid out [B, N, S, K] (the
@@ -317,8 +323,7 @@ class GatedDeltaNet(nnx.Module):
             a_BTH + self.dt_bias[...].astype(jnp.float32)
         )
         if segments_BT is not None:
-            before_BT = jnp.pad(segments_BT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-            g_BTH = jnp.where((segments_BT != before_BT)[..., None], SEGMENT_RESET_G, g_BTH)
+            g_BTH = jnp.where(segment_starts(segments_BT)[..., None], SEGMENT_RESET_G, g_BTH)
         beta_BTH = jnp.where(valid_BT[..., None], beta_BTH, 0.0)
         g_BTH = jnp.where(valid_BT[..., None], g_BTH, 0.0)
         k_BTHK = jnp.where(keep_BT1[..., None], k_BTHK, 0)

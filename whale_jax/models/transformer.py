@@ -23,7 +23,14 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from whale_jax.config import FULL, ModelConfig
-from whale_jax.models.layers import MLP, Attention, GatedDeltaNet, RMSNorm, make_param
+from whale_jax.models.layers import (
+    MLP,
+    Attention,
+    GatedDeltaNet,
+    RMSNorm,
+    make_param,
+    segment_starts,
+)
 
 Array = jax.Array
 
@@ -322,12 +329,6 @@ class Transformer(nnx.Module):
         return self.extend(
             cache, tokens_BT, lengths_B, last_only=last_only, groups=groups, fresh=True
         )
-
-
-def segment_starts(segments_BT: Array) -> Array:
-    """True at the first token of each packed sequence (a change of segment id)."""
-    before_BT = jnp.pad(segments_BT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-    return segments_BT != before_BT
 
 
 def segment_positions(segments_BT: Array) -> Array:

@@ -17,6 +17,7 @@ as many minibatches on every host (``Trainer.update`` pads the rest with empty m
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import random
@@ -164,7 +165,7 @@ def rsft_step(
         "untrained_rows": counts_total.get("untrained_rows", 0),
         "prompt_tokens": sum(r.prompt_tokens for r in records),
         "completion_tokens": sum(r.completion_tokens for r in records),
-        "stop_reasons": _count(r.stop_reason for r in records),
+        "stop_reasons": dict(collections.Counter(r.stop_reason for r in records)),
         "weights_version": version,
         "rollout_s": t1 - t0,
         "scoring_s": sum(r.score_s for r in records),
@@ -175,10 +176,3 @@ def rsft_step(
     if not kept:
         metrics["note"] = "no episode above the reward threshold: no update"
     return metrics, records
-
-
-def _count(values) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out
