@@ -8,7 +8,10 @@ on its own result while the engine batches them.
 A session (``request.session_id``) is one token sequence: when a call's messages extend the
 previous call's messages plus that call's reply, only the new messages are rendered (the template's
 delta) and appended to the sequence so far, and the engine continues from the parked decode state
-of the previous call instead of re-prefilling. Any other call starts the session's sequence anew.
+of the previous call instead of re-prefilling. Any other call starts the session's sequence anew,
+with the ends of its system message and of the messages before the last one marked as snapshot
+points: the engine keeps the state there, so prompts that share them (a harness's system prompt
+and few-shot turns, votes over one conversation) are not prefilled again.
 Every result carries its exact prompt and completion ids; training rows and their loss masks are
 built from the records alone (``whale_jax.train.rows``), not from state kept here.
 """
@@ -25,6 +28,9 @@ from whale_jax.chat import ChatFormat, Session, Tokenizer, format_for
 from whale_jax.engine.engine import Engine, EngineConfig
 from whale_jax.engine.requests import Request, Sampling
 from whale_jax.models.transformer import Transformer
+
+
+_PROBE = "\x00probe\x00"  # stands for "the turn after these messages" when finding boundaries
 
 
 class EngineClient:
@@ -83,6 +89,7 @@ class EngineClient:
         with self._lock:
             session = self._sessions.get(request.session_id)
         continuing = session is not None and session.continues(messages)
+        snapshots: tuple[int, ...] = ()
         try:
             if continuing:
                 assert session is not None
@@ -95,9 +102,9 @@ class EngineClient:
             else:
                 if not messages:
                     raise ValueError("no messages")
-                prompt = self.encode(
-                    self.format.render(messages, enable_thinking=s.enable_thinking)
-                )
+                text = self.format.render(messages, enable_thinking=s.enable_thinking)
+                prompt = self.encode(text)
+                snapshots = self._boundaries(messages, text, prompt, s.enable_thinking)
         except Exception as e:  # a template that cannot render these messages fails this call only
             return ChatResult(text="", raw_text="", finish_reason="error", error=f"render: {e}")
         if request.max_prompt_tokens is not None and len(prompt) > request.max_prompt_tokens:
@@ -122,7 +129,7 @@ class EngineClient:
                 prompt_ids=tuple(prompt),
                 sampling=sampling,
                 identity=request.rng.as_tuple(),
-                resume=request.session_id if continuing else None,
+                snapshots=snapshots,
                 park=request.session_id,
             )
         ).result()
@@ -166,6 +173,45 @@ class EngineClient:
             tool_calls=reply.tool_calls,
             weights_version=done.weights_version,
         )
+
+    def _boundaries(
+        self, messages, text: str, prompt: list[int], enable_thinking
+    ) -> tuple[int, ...]:
+        """Token counts of the prompt that end the system message and the messages before the
+        last one: where the engine may keep a state that other prompts of this harness start with
+        (the system prompt, few-shot turns, a conversation's history).
+
+        A template may render a turn differently depending on what follows it (Qwen3.5 keeps an
+        empty think block in an assistant turn only after the last user query), so the head is
+        rendered with a probe user turn after it and cut at the last end-of-turn before the probe.
+        A boundary counts only where that text and its tokens are exactly a prefix of the
+        prompt's."""
+        cuts = {len(messages) - 1}
+        if messages and messages[0].get("role") == "system":
+            cuts.add(1)
+        eot, points = self.format.end_of_turn, []
+        for k in sorted(c for c in cuts if 0 < c < len(messages)):
+            try:
+                probed = self.format.render(
+                    [*messages[:k], {"role": "user", "content": _PROBE}],
+                    add_generation_prompt=False,
+                    enable_thinking=enable_thinking,
+                )
+            except Exception:  # a template may refuse a partial conversation: no boundary there
+                continue
+            head = probed[: max(probed.find(_PROBE), 0)]
+            cut = head.rfind(eot)
+            if cut < 0:
+                continue
+            cut += len(eot)
+            while cut < len(head) and head[cut] == "\n":
+                cut += 1
+            if not text.startswith(head[:cut]):
+                continue
+            ids = self.encode(head[:cut])
+            if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids:
+                points.append(len(ids))
+        return tuple(points)
 
     # -- sessions ----------------------------------------------------------------------------------
     def end_session(self, session_id: str) -> None:

@@ -91,6 +91,7 @@ def test_three_turn_session_is_one_row(client, qwen_tokenizer):
         sampling=Sampling(temperature=settings.temperature, top_k=settings.top_k,
                           top_p=settings.top_p, max_new_tokens=6),
         identity=ask([], call=1).rng.as_tuple(),
+        cache=False,
     )])[0]  # fmt: skip
     assert again.reused_tokens == 0
     assert again.token_ids == second.completion_ids
@@ -150,3 +151,26 @@ def test_stop_string_cuts_the_text(client):
     assert cut.finish_reason == "stop"
     assert cut.raw_text == base.raw_text[: base.raw_text.find(stop)]
     assert list(cut.completion_ids) == list(base.completion_ids[: len(cut.completion_ids)])
+
+
+def test_system_prompt_and_earlier_turns_are_kept_for_other_prompts(client, qwen_tokenizer):
+    """A fresh call marks the end of its system message and of the messages before the last one;
+    a later call with the same system prompt and few-shot turns continues from the kept state."""
+    fmt = qwen3_5_format()
+    shots = [SYSTEM, {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    first = client.chat(ask([*shots, {"role": "user", "content": "3 + 5?"}], session="fa"))
+    assert first.error is None
+    system_end = len(qwen_tokenizer.encode(fmt.render([SYSTEM], add_generation_prompt=False)))
+    full = fmt.render([*shots, USER])  # the assistant turn renders without a think block here
+    shots_end = len(qwen_tokenizer.encode(full[: full.rindex("<|im_start|>user")]))
+    assert client._boundaries(shots + [USER], fmt.render(shots + [USER]),
+                              qwen_tokenizer.encode(fmt.render(shots + [USER])),
+                              None) == (system_end, shots_end)  # fmt: skip
+    before = client.engine.cache_stats()
+    second = client.chat(ask([*shots, {"role": "user", "content": "9 x 9?"}], session="fb"))
+    after = client.engine.cache_stats()
+    assert second.error is None
+    assert after["cached_tokens"] - before["cached_tokens"] == shots_end
+    assert (
+        after["computed_tokens"] - before["computed_tokens"] == len(second.prompt_ids) - shots_end
+    )

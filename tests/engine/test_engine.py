@@ -161,8 +161,8 @@ def test_resume_from_parked_state_equals_reprefill(setup):
     prompt, delta = prompts_for(cfg.vocab_size, lengths=(13, 5), seed=7)
     first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(8), park="conv")])[0]
     follow = prompt + first.token_ids + delta
-    resumed = engine.generate([Request(prompt_ids=follow, sampling=greedy(8), resume="conv")])[0]
-    fresh = engine.generate([Request(prompt_ids=follow, sampling=greedy(8))])[0]
+    resumed = engine.generate([Request(prompt_ids=follow, sampling=greedy(8))])[0]
+    fresh = engine.generate([Request(prompt_ids=follow, sampling=greedy(8), cache=False)])[0]
     assert resumed.reused_tokens == len(prompt) + len(first.token_ids) - 1
     assert fresh.reused_tokens == 0
     assert len(resumed.token_ids) == len(fresh.token_ids) == 8
@@ -198,15 +198,17 @@ def test_scanned_decoding_equals_unrolled(tiny_qwen3_5):
     for unroll in (False, True):
         engine = Engine(
             model,
-            EngineConfig(slots=3, max_len=64, steps=4, prefill_batch=4, unroll_layers=unroll),
+            EngineConfig(
+                slots=3, max_len=64, steps=4, prefill_batch=4, cache_rows=8, unroll_layers=unroll
+            ),
             eos_ids=(),
         )
         assert engine.device.unroll is unroll and (engine.device.groups is None) is not unroll
         reqs = [Request(prompt_ids=p, sampling=greedy(8), park=f"s{i}")
                 for i, p in enumerate(prompts)]  # fmt: skip
         first = engine.generate(reqs)
-        follow = [Request(prompt_ids=p + o.token_ids + (1, 2), sampling=greedy(8), resume=f"s{i}")
-                  for i, (p, o) in enumerate(zip(prompts, first, strict=True))]  # fmt: skip
+        follow = [Request(prompt_ids=p + o.token_ids + (1, 2), sampling=greedy(8))
+                  for p, o in zip(prompts, first, strict=True)]  # fmt: skip
         second = engine.generate(follow)
         engine.close()
         assert any(o.reused_tokens > 0 for o in second)
@@ -221,7 +223,7 @@ def test_a_failing_admission_fails_its_requests_and_the_engine_goes_on(setup, mo
     the requests being admitted, with the error named; nothing hangs and the next call works."""
     _, cfg, engine = setup
     prompt = prompts_for(cfg.vocab_size, lengths=(7,), seed=10)[0]
-    req = Request(prompt_ids=prompt, sampling=greedy(3))
+    req = Request(prompt_ids=prompt, sampling=greedy(3), cache=False)  # always prefilled
     good = engine.generate([req])[0]
     real = engine.device.prefill
 
@@ -247,20 +249,26 @@ def test_requests_submitted_together_are_admitted_together(tiny_llama):
     engine.close()
 
 
-def test_a_failing_resume_gives_back_its_park_rows(setup, monkeypatch):
-    _, cfg, engine = setup
+def test_a_failing_resume_leaves_an_empty_cache_and_the_engine_serves(setup, monkeypatch):
+    """A device error while continuing a kept state fails that request; the store (which the
+    failed call may have consumed) starts empty with every row free, and serving goes on."""
+    model, cfg, engine = setup
     prompt, delta = prompts_for(cfg.vocab_size, lengths=(9, 4), seed=12)
     first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(3), park="r")])[0]
-    free = len(engine._free_park)
+    assert engine._index.rows_in_use() > 0
 
     def broken(*args):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine.device, "resume", broken)
-    follow = Request(prompt_ids=prompt + first.token_ids + delta, sampling=greedy(2), resume="r")
+    follow = Request(prompt_ids=prompt + first.token_ids + delta, sampling=greedy(2))
     failed = engine.submit(follow).result(timeout=120)
     assert failed.finish_reason == "error" and "device lost" in failed.error
-    assert len(engine._free_park) == free + 1  # the consumed parked state's row is free again
+    assert len(engine._index) == 0 and engine._index.rows_in_use() == 0
+    monkeypatch.undo()
+    again = engine.generate([follow])[0]
+    assert again.error is None and again.reused_tokens == 0
+    assert_greedy(model, [follow.prompt_ids], [again.token_ids])
 
 
 def test_bf16_engine_follows_the_bf16_forward(fixtures_dir):
@@ -328,7 +336,7 @@ def test_set_params_is_a_barrier(tiny_llama):
     assert not any(f.done() for f in running)  # the swap really came mid-generation
     later = engine.submit_many([Request(prompt_ids=p, sampling=greedy(n)) for p in new_prompts])
     follow = old_prompts[0] + parked.token_ids + (1,)
-    resumed = engine.submit(Request(prompt_ids=follow, sampling=greedy(2), resume="conv"))
+    resumed = engine.submit(Request(prompt_ids=follow, sampling=greedy(2)))
     old_out = [f.result() for f in running]
     new_out = [f.result() for f in later]
     assert not any(o.token_ids == () for o in old_out + new_out)
@@ -338,7 +346,7 @@ def test_set_params_is_a_barrier(tiny_llama):
     assert [o.weights_version for o in new_out] == [1, 1]
     assert_greedy(new_model, new_prompts, [o.token_ids for o in new_out])
     assert resumed.result().reused_tokens == 0  # the parked state was computed by old weights
-    assert engine.stats["parked_dropped_on_update"] >= 1
+    assert engine.stats["cache_dropped_on_update"] >= 1
     engine.close()
 
 

@@ -7,16 +7,19 @@ ids, token budget and sampling settings. Every function that changes it donates 
 
 - ``prefill(tokens_PT, lengths_P)``: P fresh prompts (right-padded to a length bucket) into a small
   cache of capacity T; returns their last-token logits and that cache (a ``Prefix``).
-- ``resume(rows_P, tokens_PT, n_new_P)``: continues P parked decode states by a few tokens each
-  (a session's next turn) without re-reading the earlier tokens.
+- ``resume(rows_P, tokens_PT, n_new_P)``: continues P store rows (a parked session, a cached
+  prompt prefix) by their new tokens without re-reading the earlier ones.
 - ``insert(state, prefix, rows_M, slots_M, ...)``: copies prefix row ``rows_M[m]`` into slot
   ``slots_M[m]``; one prefix row may fill several slots (n samples of one prompt, one prefill).
 - ``generate(state, occupied_B)``: up to ``steps`` tokens for every active slot inside one
   ``while_loop``: draw from the held logits, then feed the drawn token to the model. A slot stops
   on a stop id or its budget; the drawn stop token is not fed, so a finished slot's cache holds
   the prompt and all sampled tokens but the last.
-- ``park(park_cache, state, slots_M, rows_M)``: copies finished slots' decode state into a
-  separate store, keyed by the host, so a session's next turn continues from it.
+- ``park(store, state, slots_M, rows_M)``: copies finished slots' decode state into the store,
+  keyed by the host (``prefix_cache.PrefixIndex``), so a session's next turn continues from it.
+- ``store_put(store, prefix, ...)``: keeps prefix rows (state and logits) in the store: a prompt
+  prefix that later requests continue from, or a whole prompt that later ones start sampling from
+  without any prefill (``insert`` from store rows).
 
 Parameters are an argument of every call (never closed over), so new weights from the trainer are
 used by the next call without recompiling or a copy through the host.
@@ -114,8 +117,7 @@ def _split_groups(params):
     return split_groups(params["blocks"])
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _insert(kv, state: DecodeState, prefix: Prefix, init: dict) -> DecodeState:
+def _insert_rows(kv, state: DecodeState, prefix: Prefix, init: dict) -> DecodeState:
     rows, slots_M = init["rows"], init["slots"]
     cache = _copy_rows(state.cache, prefix.cache, kv, rows, slots_M)
     put = lambda x, v: x.at[slots_M].set(v, mode="drop")
@@ -137,6 +139,9 @@ def _insert(kv, state: DecodeState, prefix: Prefix, init: dict) -> DecodeState:
     )
 
 
+_insert = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)(_insert_rows)
+
+
 def _window(cache: DecodeCache, kv: tuple[bool, ...], length: int) -> DecodeCache:
     """The first ``length`` KV positions of every full-attention layer (recurrent state whole)."""
     layers = tuple(
@@ -148,14 +153,15 @@ def _window(cache: DecodeCache, kv: tuple[bool, ...], length: int) -> DecodeCach
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _resume(
-    graphdef, kv, kv_len, params, groups, park: DecodeCache, rows_P, tokens_PT, n_new_P
+    graphdef, kv, kv_len, params, groups, store: DecodeCache, rows_P, tokens_PT, n_new_P
 ) -> Prefix:
-    """Continues parked rows; attention reads only the first ``kv_len`` (static, a bucket that
-    bounds every row after the new tokens) positions, and the prefix has that capacity."""
+    """Continues store rows by new tokens; attention reads only the first ``kv_len`` (static, a
+    bucket that bounds every row after the new tokens) positions, and the prefix has that
+    capacity. Only that window of the rows is gathered out of the store."""
     model = nnx.merge(graphdef, params)
-    cache = _gather_rows(park, rows_P)
-    if kv_len < cache.capacity:
-        cache = _window(cache, kv, kv_len)
+    if kv_len < store.capacity:
+        store = _window(store, kv, kv_len)
+    cache = _gather_rows(store, rows_P)
     logits, cache = model.extend(cache, tokens_PT, n_new_P, last_only=True, groups=groups)
     return Prefix(logits, cache)
 
@@ -216,9 +222,32 @@ def _generate(
     return state, out
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
+def _park(kv, window, store: Prefix, cache: DecodeCache, slots_M, rows_M) -> Prefix:
+    """Store rows ``rows_M`` <- the first ``window`` positions of slots ``slots_M`` (their held
+    logits are not kept: a parked state's last sampled token was never fed)."""
+    if window < cache.capacity:
+        cache = _window(cache, kv, window)
+    return store._replace(cache=_copy_rows(store.cache, cache, kv, slots_M, rows_M))
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _park(kv, park_cache: DecodeCache, cache: DecodeCache, slots_M, rows_M) -> DecodeCache:
-    return _copy_rows(park_cache, cache, kv, slots_M, rows_M)
+def _store_put(kv, store: Prefix, prefix: Prefix, src_rows, dst_rows) -> Prefix:
+    """Store rows ``dst_rows`` <- prefix rows ``src_rows``, logits included."""
+    return Prefix(
+        logits=store.logits.at[dst_rows].set(prefix.logits[src_rows], mode="drop"),
+        cache=_copy_rows(store.cache, prefix.cache, kv, src_rows, dst_rows),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
+def _insert_stored(kv, window, state: DecodeState, store: Prefix, init: dict) -> DecodeState:
+    """``_insert`` straight from store rows (a whole prompt kept with its logits): only the first
+    ``window`` positions of each row are copied."""
+    cache = store.cache
+    if window < cache.capacity:
+        cache = _window(cache, kv, window)
+    return _insert_rows(kv, state, Prefix(store.logits, cache), init)
 
 
 class DeviceEngine:
@@ -236,14 +265,14 @@ class DeviceEngine:
         *,
         slots: int,
         max_len: int,
-        park_slots: int,
+        cache_rows: int,
         steps: int = 8,
         max_top_k: int = 64,
         max_stop_ids: int = 8,
         unroll: bool | None = None,
     ):
         self.cfg = model.cfg
-        self.slots, self.max_len, self.park_slots = slots, max_len, park_slots
+        self.slots, self.max_len, self.cache_rows = slots, max_len, cache_rows
         self.steps, self.max_top_k, self.max_stop_ids = steps, max_top_k, max_stop_ids
         self.unroll = jax.default_backend() == "cpu" if unroll is None else bool(unroll)
         self.graphdef, self.params = nnx.split(model)
@@ -260,7 +289,7 @@ class DeviceEngine:
         self.kv = _is_kv(self.cfg.layer_types[: self.cfg.period])
         self.signatures: dict[str, set] = {}  # distinct compiled shapes per function
         self.state = self.empty_state()
-        self.park_cache = self._init_cache(park_slots)
+        self.store = self.empty_store()
 
     # -- state ---------------------------------------------------------------------------------
     def _commit(self, tree):
@@ -280,6 +309,14 @@ class DeviceEngine:
             active=jnp.zeros((B,), bool),
             stop_ids=jnp.full((B, self.max_stop_ids), -1, jnp.int32),
             sampling=SlotSampling.zeros(B),
+        ))  # fmt: skip
+
+    def empty_store(self) -> Prefix:
+        """The prefix cache's rows (at least one, so shapes stay valid with caching off)."""
+        rows = max(self.cache_rows, 1)
+        return self._commit(Prefix(
+            logits=jnp.zeros((rows, self.cfg.vocab_size), jnp.float32),
+            cache=self._init_cache(rows),
         ))  # fmt: skip
 
     def set_params(self, params) -> None:
@@ -326,19 +363,27 @@ class DeviceEngine:
         return _prefill(self.graphdef, self.params, self.groups, tokens_PT, lengths_P)
 
     def resume(self, rows_P, tokens_PT, n_new_P, kv_len: int | None = None) -> Prefix:
-        """Continues parked rows by their new tokens; ``kv_len`` bounds every row's length after
+        """Continues store rows by their new tokens; ``kv_len`` bounds every row's length after
         them (None: the whole capacity)."""
         kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
         self._note("resume", tokens_PT.shape, kv_len)
         return _resume(
-            self.graphdef, self.kv, kv_len, self.params, self.groups, self.park_cache,
+            self.graphdef, self.kv, kv_len, self.params, self.groups, self.store.cache,
             rows_P, tokens_PT, n_new_P,
         )  # fmt: skip
 
-    def insert(self, prefix: Prefix, init: SlotInit) -> None:
-        self._note(
-            "insert", prefix.logits.shape[0], prefix.cache.layers[0][0].shape, len(init.rows)
-        )
+    def store_put(self, prefix: Prefix, src_rows, dst_rows) -> None:
+        """Keeps prefix rows (state and last-token logits) in store rows; indices past the end of
+        the store are dropped (padding)."""
+        self._note("store_put", prefix.logits.shape[0], prefix.cache.capacity, len(src_rows))
+        self.store = _store_put(
+            self.kv, self.store, prefix, jnp.asarray(src_rows, jnp.int32),
+            jnp.asarray(dst_rows, jnp.int32),
+        )  # fmt: skip
+
+    def insert(self, prefix: Prefix | None, init: SlotInit, window: int | None = None) -> None:
+        """Fills slots from prefix rows, or (``prefix`` None) from store rows, copying their
+        first ``window`` positions (a bucket bounding the rows' lengths)."""
         arrays = {
             "rows": jnp.asarray(init.rows, jnp.int32),
             "slots": jnp.asarray(init.slots, jnp.int32),
@@ -349,6 +394,12 @@ class DeviceEngine:
             "top_p": jnp.asarray(init.top_p, jnp.float32),
             "key": jnp.asarray(init.key, jnp.uint32),
         }
+        if prefix is None:
+            window = self.max_len if window is None else min(window, self.max_len)
+            self._note("insert_stored", window, len(init.rows))
+            self.state = _insert_stored(self.kv, window, self.state, self.store, arrays)
+            return
+        self._note("insert", prefix.logits.shape[0], prefix.cache.capacity, len(init.rows))
         self.state = _insert(self.kv, self.state, prefix, arrays)
 
     def generate(self, occupied_B, kv_len: int | None = None) -> Array:
@@ -370,15 +421,14 @@ class DeviceEngine:
         )
         return out
 
-    def park(self, slots_M, rows_M) -> None:
-        self._note("park", len(slots_M))
-        self.park_cache = _park(
-            self.kv,
-            self.park_cache,
-            self.state.cache,
-            jnp.asarray(slots_M, jnp.int32),
-            jnp.asarray(rows_M, jnp.int32),
-        )
+    def park(self, slots_M, rows_M, window: int | None = None) -> None:
+        """Keeps finished slots' decode state (the first ``window`` positions) in store rows."""
+        window = self.max_len if window is None else min(window, self.max_len)
+        self._note("park", len(slots_M), window)
+        self.store = _park(
+            self.kv, window, self.store, self.state.cache,
+            jnp.asarray(slots_M, jnp.int32), jnp.asarray(rows_M, jnp.int32),
+        )  # fmt: skip
 
     # -- memory ----------------------------------------------------------------------------------
     def slot_bytes(self) -> int:
@@ -418,11 +468,11 @@ def free_device_bytes(device=None) -> int | None:
 
 
 def max_slots(
-    cfg, max_len: int, *, free_bytes: int, dtype=jnp.float32, park_ratio: float = 1.0,
+    cfg, max_len: int, *, free_bytes: int, dtype=jnp.float32, cache_ratio: float = 1.0,
     reserve: float = 0.1,
 ) -> int:  # fmt: skip
     """How many decode slots fit in ``free_bytes`` (after the weights are resident): each slot
-    holds its decode state plus ``park_ratio`` of a parked session state, and ``reserve`` of the
+    holds its decode state plus ``cache_ratio`` of a kept state (prefix cache rows per slot), and ``reserve`` of the
     memory is left for activations of prefill and the sampler."""
-    per_slot = cache_bytes_per_slot(cfg, max_len, dtype) * (1.0 + park_ratio)
+    per_slot = cache_bytes_per_slot(cfg, max_len, dtype) * (1.0 + cache_ratio)
     return max(0, int(free_bytes * (1.0 - reserve) // per_slot))

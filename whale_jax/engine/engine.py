@@ -2,9 +2,15 @@
 
 Callers (any number of threads) ``submit`` a ``Request`` and block on their own future. The engine
 thread loops: finish what the last ``generate`` call produced (stop ids, budgets, stop strings),
-park finished session states, admit queued requests into the free slots (one prefill per distinct
-prompt, batched by length bucket; sessions continue from their parked state), then ``generate``
-up to ``steps`` tokens for all slots. A finished slot is refilled on the next iteration.
+park finished session states, admit queued requests into the free slots, then ``generate`` up to
+``steps`` tokens for all slots. A finished slot is refilled on the next iteration.
+
+Admission goes through the prefix cache (``prefix_cache.PrefixIndex`` over the device store): each
+request continues from the longest kept state its prompt starts with and prefills only the rest,
+in rounds that stop at snapshot points (the caller's message boundaries; the branch points of the
+prompts admitted together; the depth a prompt shares with a kept one) so the state there is kept
+for later requests. A segment that several requests share is computed once; a whole prompt is
+kept with its logits, so a later identical prompt (another sample, another vote) samples at once.
 
 Shapes are static: prompt lengths are padded to power-of-two buckets (at least ``min_bucket``, at
 most ``max_len``), prefill batches to powers of two up to ``prefill_batch``; ``compile_counts``
@@ -36,6 +42,7 @@ from whale_jax.engine.device import (
     free_device_bytes,
     max_slots,
 )
+from whale_jax.engine.prefix_cache import Entry, PrefixIndex, Tokens, branch_points
 from whale_jax.engine.requests import Completion, Request, RequestError
 from whale_jax.engine.sampling import request_key
 from whale_jax.models.transformer import Transformer
@@ -53,7 +60,12 @@ class EngineConfig:
     min_kv_bucket: int = 64  # smallest KV window a decode call reads
     max_top_k: int = 64  # width of the exact top-k path (wider top-k falls back to a full sort)
     max_stop_ids: int = 8
-    park_slots: int | None = None  # parked session states kept on device; default = slots
+    # Decode states kept on device (sessions, prompt prefixes, whole prompts): a row count, or a
+    # byte budget (rows = cache_bytes // cache_bytes_per_slot); default: as many rows as slots.
+    cache_rows: int | None = None
+    cache_bytes: int | None = None
+    prefix_cache: bool = True  # False: keep only parked sessions (no snapshots, no whole prompts)
+    share_block: int = 16  # shared prefixes found among prompts are cut to whole blocks of this
     seed: int = 0
     unroll_layers: bool | None = None  # decode over per-layer weights; None = on CPU (DeviceEngine)
     sync_timings: bool = False  # wait for each admission's device work so timings split it out
@@ -70,6 +82,39 @@ class _Job:
     tokens: list[int] = dataclasses.field(default_factory=list)
     device_tokens: int = 0  # tokens the device sampled (may run past a stop-string cut)
     reused: int = 0
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A request's way through admission: the kept state it continues from (pinned) and the
+    token counts where its prefill stops next; the last is the whole prompt."""
+
+    job: _Job
+    start: Entry | None
+    points: list[int]
+
+    @property
+    def have(self) -> int:
+        return 0 if self.start is None else len(self.start.key)
+
+
+@dataclasses.dataclass
+class _Segment:
+    """Tokens ``have:len(key)`` of one or more requests' prompts, computed once."""
+
+    key: Tokens
+    start: Entry | None
+    plans: list[_Plan]
+    row: int | None = None  # store row to keep the state in
+    entry: Entry | None = None
+
+    @property
+    def have(self) -> int:
+        return 0 if self.start is None else len(self.start.key)
+
+    @property
+    def continuing(self) -> bool:
+        return any(len(p.job.prompt) > len(self.key) for p in self.plans)
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
@@ -98,25 +143,30 @@ class Engine:
         self.cfg = model.cfg
         self.eos_ids = tuple(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.detokenize = detokenize
-        park_slots = c.slots if c.park_slots is None else c.park_slots
+        slot_bytes = cache_bytes_per_slot(self.cfg, c.max_len, model.dtype)
+        if c.cache_rows is not None and c.cache_bytes is not None:
+            raise ValueError("give cache_rows or cache_bytes, not both")
+        if c.cache_bytes is not None:
+            cache_rows = int(c.cache_bytes // slot_bytes)
+        else:
+            cache_rows = c.slots if c.cache_rows is None else c.cache_rows
+        if cache_rows < 0:
+            raise ValueError(f"cache_rows must be >= 0, got {cache_rows}")
         self.device = DeviceEngine(
             model,
             slots=c.slots,
             max_len=c.max_len,
-            park_slots=max(park_slots, 1),
+            cache_rows=cache_rows,
             steps=c.steps,
             max_top_k=c.max_top_k,
             max_stop_ids=c.max_stop_ids,
             unroll=c.unroll_layers,
         )
-        self._park_capacity = park_slots
+        self._index = PrefixIndex(cache_rows, block=c.share_block)
+        self._forgotten: list[str] = []
         self._cv = threading.Condition()
         self._queue: collections.deque[_Job] = collections.deque()
         self._running: list[_Job | None] = [None] * c.slots
-        self._parked: collections.OrderedDict[str, tuple[int, tuple[int, ...]]] = (
-            collections.OrderedDict()
-        )
-        self._free_park = list(range(park_slots))
         self._pending_params = None
         self._params_requested = 0  # set_params calls so far
         self._params_done = 0  # of them, how many the engine thread has dealt with
@@ -124,16 +174,17 @@ class Engine:
         self.weights_version = 0  # weight swaps that took effect; completions carry it
         self._closed = False
         self._thread: threading.Thread | None = None
-        slot_bytes = cache_bytes_per_slot(self.cfg, c.max_len, model.dtype)
         free = free_device_bytes()
-        park_ratio = park_slots / max(c.slots, 1)
+        cache_ratio = cache_rows / max(c.slots, 1)
         self.memory = {
             "slot_bytes": slot_bytes,
+            "cache_rows": cache_rows,
+            "cache_bytes": cache_rows * slot_bytes,
             "free_bytes_after_state": free,
             "more_slots_that_fit": None
             if free is None
             else max_slots(
-                self.cfg, c.max_len, free_bytes=free, dtype=model.dtype, park_ratio=park_ratio
+                self.cfg, c.max_len, free_bytes=free, dtype=model.dtype, cache_ratio=cache_ratio
             ),  # fmt: skip
         }
         log.info("engine: %d slots x %.1f MiB decode state; memory bound %s", c.slots,
@@ -215,11 +266,31 @@ class Engine:
         return self.device.compile_counts
 
     def forget(self, name: str) -> None:
-        """Drops a parked session state (the session is over)."""
+        """Drops the state a session parked under ``name`` (the session is over)."""
         with self._cv:
-            entry = self._parked.pop(name, None)
-            if entry is not None:
-                self._free_park.append(entry[0])
+            self._forgotten.append(name)
+
+    def cache_stats(self) -> dict[str, float]:
+        """Prefix cache counters so far: prompt tokens requested, computed (prefilled from
+        scratch or on top of a kept state) and served from kept states; requests that hit; whole
+        prompts served without any prefill; rows and bytes in use; evictions."""
+        st = self.stats
+        requested = st["prompt_tokens"]
+        rows = self._index.rows_in_use()
+        return {
+            "prompt_tokens": requested,
+            "computed_tokens": st["prefill_tokens"] + st["resume_tokens"],
+            "cached_tokens": st["cached_tokens"],
+            "hit_rate": st["cached_tokens"] / requested if requested else 0.0,
+            "requests": st["admitted"],
+            "hits": st["cache_hits"],
+            "full_hits": st["full_hits"],
+            "entries": len(self._index),
+            "rows": self._index.rows,
+            "rows_in_use": rows,
+            "bytes_in_use": rows * self.memory["slot_bytes"],
+            "evictions": self._index.evictions,
+        }
 
     # -- validation ------------------------------------------------------------------------------
     def _validate(self, request: Request, future: Future) -> _Job:
@@ -267,6 +338,9 @@ class Engine:
                 if self._pending_params is not None and not any(self._running):
                     params, self._pending_params = self._pending_params, None
                     requested = self._params_requested  # later calls overwrote earlier ones
+                for name in self._forgotten:
+                    self._index.forget(name)
+                self._forgotten.clear()
                 free = [i for i, j in enumerate(self._running) if j is None]
                 if self._pending_params is not None:
                     free = []  # the barrier: drain the running requests on the old weights first
@@ -294,10 +368,8 @@ class Engine:
         with self._cv:
             self._swap_error = error
             if error is None:
-                for row, _ in self._parked.values():
-                    self._free_park.append(row)
-                self.stats["parked_dropped_on_update"] += len(self._parked)
-                self._parked.clear()
+                # Every kept state was computed by the old weights.
+                self.stats["cache_dropped_on_update"] += self._index.clear()
                 self.weights_version += 1
             self._params_done = requested
             self._cv.notify_all()
@@ -318,9 +390,18 @@ class Engine:
 
     def _fail_running(self, message: str, also: Sequence[_Job] = ()) -> None:
         """Fails every running job and ``also`` (jobs taken from the queue whose admission may
-        not have reached a slot), then starts from an empty decode state."""
-        for job in [*self._running, *also]:
-            if job is not None and not job.future.done():
+        not have reached a slot), after starting from an empty decode state and an empty store
+        (a failed call may have consumed the donated store, and left pins behind)."""
+        failed = [job for job in [*self._running, *also] if job is not None]
+        for i in range(len(self._running)):
+            self._running[i] = None
+        self.device.state = self.device.empty_state()
+        evictions = self._index.evictions
+        self._index = PrefixIndex(self._index.rows, block=self._index.block)
+        self._index.evictions = evictions
+        self.device.store = self.device.empty_store()
+        for job in failed:
+            if not job.future.done():
                 job.future.set_result(
                     Completion(
                         token_ids=(),
@@ -329,9 +410,6 @@ class Engine:
                         prompt_tokens=len(job.prompt),
                     )  # fmt: skip
                 )
-        for i in range(len(self._running)):
-            self._running[i] = None
-        self.device.state = self.device.empty_state()
 
     def _fail_all(self, message: str) -> None:
         self._fail_running(message)
@@ -341,65 +419,178 @@ class Engine:
 
     # -- admission -------------------------------------------------------------------------------
     def _admit(self, jobs: list[_Job], free: list[int]) -> None:
+        """Fills free slots with ``jobs``: through the prefix cache, in rounds (module docstring)."""
         t0 = time.perf_counter()
-        fresh: dict[tuple[int, ...], list[_Job]] = {}
-        resumed: list[tuple[_Job, int, int]] = []  # (job, park row, parked length)
+        c, index = self.config, self._index
+        plans: list[_Plan] = []
         for job in jobs:
-            name = job.request.resume
-            entry = self._parked.get(name) if name is not None else None
-            if entry is not None:
-                row, ids = entry
-                if len(ids) < len(job.prompt) and job.prompt[: len(ids)] == ids:
-                    del self._parked[name]
-                    resumed.append((job, row, len(ids)))
-                    continue
-            fresh.setdefault(job.prompt, []).append(job)
+            start = index.lookup(job.prompt) if job.request.cache else None
+            if start is not None:
+                index.pin(start)
+                job.reused = len(start.key)
+            plans.append(_Plan(job, start, []))
+            self.stats["admitted"] += 1
+            self.stats["prompt_tokens"] += len(job.prompt)
+        shared = (
+            branch_points([p.job.prompt for p in plans if p.job.request.cache], c.share_block)
+            if c.prefix_cache else {}
+        )  # fmt: skip
+        for p in plans:
+            prompt, n = p.job.prompt, len(p.job.prompt)
+            points: set[int] = set()
+            if c.prefix_cache and p.job.request.cache:
+                points.update(p.job.request.snapshots)
+                points.update(shared.get(prompt, ()))
+                points.add(index.shared_depth(prompt))
+            p.points = sorted(x for x in points if p.have < x < n) + ([n] if p.have < n else [])
         slots = iter(free)
-        c = self.config
-        # Fresh prompts: one prefill per distinct prompt, batched within a length bucket.
-        prompts = sorted(fresh, key=len)
-        for start in range(0, len(prompts), c.prefill_batch):
-            group = prompts[start : start + c.prefill_batch]
-            T = _bucket(max(map(len, group)), c.min_bucket, c.max_len)
-            P = _pow2(len(group))
-            tokens = np.zeros((P, T), np.int32)
-            lengths = np.zeros((P,), np.int32)
-            for i, p in enumerate(group):
-                tokens[i, : len(p)] = p
-                lengths[i] = len(p)
-            prefix = self.device.prefill(tokens, lengths)
-            self.stats["prefills"] += len(group)
-            self.stats["prefill_tokens"] += int(lengths.sum())
-            pairs = [(i, job) for i, p in enumerate(group) for job in fresh[p]]
-            self._insert(prefix, pairs, slots)
-        # Sessions: continue parked states by their new tokens only.
-        for start in range(0, len(resumed), c.prefill_batch):
-            group = resumed[start : start + c.prefill_batch]
-            T = _bucket(max(len(j.prompt) - n for j, _, n in group), c.min_bucket, c.max_len)
-            P = _pow2(len(group))
-            tokens = np.zeros((P, T), np.int32)
-            n_new = np.zeros((P,), np.int32)
-            rows = np.zeros((P,), np.int32)
-            for i, (job, row, n) in enumerate(group):
-                delta = job.prompt[n:]
-                tokens[i, : len(delta)] = delta
-                n_new[i], rows[i] = len(delta), row
-                job.reused = n
-            longest = max(len(j.prompt) for j, _, _ in group)
-            kv_len = _bucket(longest, c.min_kv_bucket, c.max_len)
-            try:
-                prefix = self.device.resume(rows, tokens, n_new, kv_len)
-            finally:  # the entries are gone from _parked either way: their rows are free again
-                self._free_park.extend(row for _, row, _ in group)
-            self.stats["resumes"] += len(group)
-            self.stats["resume_tokens"] += int(n_new.sum())
-            self.stats["reused_tokens"] += sum(n for _, _, n in group)
-            self._insert(prefix, [(i, job) for i, (job, _, _) in enumerate(group)], slots)
+        while plans:
+            for p in plans:
+                self._catch_up(p)
+            ready = [p for p in plans if not p.points]
+            if ready:
+                self._insert_stored(ready, slots)
+            plans = [p for p in plans if p.points]
+            if not plans:
+                break
+            segments = self._segments(plans)
+            by_start: dict[bool, list[_Segment]] = {False: [], True: []}
+            for seg in segments:
+                by_start[seg.start is not None].append(seg)
+            for resumed, group in by_start.items():
+                group.sort(key=lambda seg: len(seg.key) - seg.have)
+                for at in range(0, len(group), c.prefill_batch):
+                    self._compute(group[at : at + c.prefill_batch], resumed, slots)
+            plans = []
+            for seg in segments:
+                for p in seg.plans:
+                    if p.start is not None:
+                        index.unpin(p.start)
+                    p.start = None
+                    if len(p.job.prompt) > len(seg.key):
+                        assert seg.entry is not None
+                        p.start = seg.entry
+                        index.pin(seg.entry)
+                        p.points.pop(0)
+                        plans.append(p)
         if c.sync_timings:
             jax.block_until_ready(self.device.state)
         self.timings["admit_s"] += time.perf_counter() - t0
 
-    def _insert(self, prefix: Prefix, pairs: list[tuple[int, _Job]], slots) -> None:
+    def _catch_up(self, p: _Plan) -> None:
+        """Moves a plan's start to a kept state at its next point, if one exists by now (made by
+        another request of this admission, or already there)."""
+        prompt, index = p.job.prompt, self._index
+        while p.points and p.job.request.cache:
+            key = prompt if p.points[0] == len(prompt) else prompt[: p.points[0]]
+            entry = index.get(key)
+            if entry is None or (len(key) == len(prompt) and not entry.logits):
+                return
+            index.pin(entry)
+            index.touch(entry)
+            if p.start is not None:
+                index.unpin(p.start)
+            p.start = entry
+            p.points.pop(0)
+            p.job.reused = max(p.job.reused, len(key))
+
+    def _segments(self, plans: list[_Plan]) -> list[_Segment]:
+        """This round's prefills, one per distinct (start, tokens), each with a store row where
+        its state is to be kept. A state some request must continue from that gets no row (every
+        row pinned) is not kept: those requests skip that point and go further this round."""
+        c, index = self.config, self._index
+        rows: dict[tuple, int | None] = {}
+        while True:
+            segments: dict[tuple, _Segment] = {}
+            for p in plans:
+                end = p.points[0]
+                key = p.job.prompt if end == len(p.job.prompt) else p.job.prompt[:end]
+                ident = (None if p.start is None else p.start.row, key, p.job.request.cache)
+                seg = segments.get(ident)
+                if seg is None:
+                    seg = segments[ident] = _Segment(key, p.start, [])
+                seg.plans.append(p)
+            retry = False
+            for ident, seg in segments.items():
+                if ident not in rows:
+                    if seg.continuing:  # needed now: may displace any unpinned entry
+                        rows[ident] = index.alloc()
+                    elif c.prefix_cache and seg.plans[0].job.request.cache:  # speculative
+                        rows[ident] = index.alloc(evict_hot=False)
+                    else:
+                        rows[ident] = None
+                seg.row = rows[ident]
+                if seg.row is None and seg.continuing:
+                    for p in seg.plans:
+                        if len(p.job.prompt) > len(seg.key):
+                            p.points.pop(0)
+                    retry = True
+            if not retry:
+                break
+        for ident, row in rows.items():
+            if ident not in segments and row is not None:
+                index.release(row)
+        return list(segments.values())
+
+    def _compute(self, group: list[_Segment], resumed: bool, slots) -> None:
+        """One prefill (from scratch) or resume (from kept states) call for a group of segments;
+        keeps their states where they have rows and fills the slots of the requests they end."""
+        c = self.config
+        T = _bucket(max(len(seg.key) - seg.have for seg in group), c.min_bucket, c.max_len)
+        P = _pow2(len(group))
+        tokens = np.zeros((P, T), np.int32)
+        n_new = np.zeros((P,), np.int32)
+        rows = np.zeros((P,), np.int32)
+        for i, seg in enumerate(group):
+            tokens[i, : len(seg.key) - seg.have] = seg.key[seg.have :]
+            n_new[i] = len(seg.key) - seg.have
+            rows[i] = 0 if seg.start is None else seg.start.row
+        if resumed:
+            kv_len = _bucket(max(len(seg.key) for seg in group), c.min_kv_bucket, c.max_len)
+            prefix = self.device.resume(rows, tokens, n_new, kv_len)
+            self.stats["resumes"] += len(group)
+            self.stats["resume_tokens"] += int(n_new.sum())
+        else:
+            prefix = self.device.prefill(tokens, n_new)
+            self.stats["prefills"] += len(group)
+            self.stats["prefill_tokens"] += int(n_new.sum())
+        kept = [(i, seg) for i, seg in enumerate(group) if seg.row is not None]
+        if kept:
+            M = _pow2(len(kept))
+            src = np.zeros(M, np.int32)
+            dst = np.full(M, self.device.store.logits.shape[0], np.int32)  # past the end: dropped
+            for m, (i, seg) in enumerate(kept):
+                src[m], dst[m] = i, seg.row
+            self.device.store_put(prefix, src, dst)
+            for _, seg in kept:
+                assert seg.row is not None
+                # A snapshot point (a boundary, a branch point) is kept for prompts to come; a
+                # whole prompt only in case it comes again.
+                entry = self._index.add(seg.key, seg.row, logits=True, hot=seg.continuing)
+                seg.entry = entry or self._index.get(seg.key)
+        ends = [(i, p.job) for i, seg in enumerate(group) for p in seg.plans
+                if len(p.job.prompt) == len(seg.key)]  # fmt: skip
+        if ends:
+            self._insert(prefix, ends, slots)
+
+    def _insert_stored(self, ready: list[_Plan], slots) -> None:
+        """Requests whose whole prompt is kept with its logits: straight from the store."""
+        c = self.config
+        for at in range(0, len(ready), c.prefill_batch):
+            group = ready[at : at + c.prefill_batch]
+            window = _bucket(max(len(p.job.prompt) for p in group), c.min_kv_bucket, c.max_len)
+            pairs = []
+            for p in group:
+                assert p.start is not None
+                pairs.append((p.start.row, p.job))
+            self._insert(None, pairs, slots, window=window)
+            self.stats["full_hits"] += len(group)
+            for p in group:
+                assert p.start is not None
+                self._index.unpin(p.start)
+
+    def _insert(self, prefix: Prefix | None, pairs: list[tuple[int, _Job]], slots, *,
+                window: int | None = None) -> None:  # fmt: skip
         M = _pow2(len(pairs))
         E = self.config.max_stop_ids
         B = self.config.slots
@@ -424,7 +615,9 @@ class Engine:
             )  # fmt: skip
             init["key"][m] = job.key
             self._running[slot] = job
-        self.device.insert(prefix, SlotInit(**init))
+            self.stats["cached_tokens"] += job.reused
+            self.stats["cache_hits"] += job.reused > 0
+        self.device.insert(prefix, SlotInit(**init), window=window)
 
     # -- decode ----------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -460,35 +653,26 @@ class Engine:
             if reason is None:
                 continue
             self._running[slot] = None
-            if job.request.park is not None:
+            if job.request.park is not None and job.request.cache:
                 # The device fed every drawn token but the last; park only an exact state.
                 if job.device_tokens == len(job.tokens):
-                    row = self._park_row()
+                    row = self._index.alloc()
                     if row is not None:
-                        to_park.append(
-                            (slot, row, job.request.park, job.prompt + tuple(job.tokens[:-1]))
-                        )
+                        key = job.prompt + tuple(job.tokens[:-1])
+                        to_park.append((slot, row, job.request.park, key))
             self._finish(job, reason, stop_text_at=cut_at)
         if to_park:
             M = _pow2(len(to_park))
             slots = np.full(M, 0, np.int32)
-            rows = np.full(M, max(self._park_capacity, 1), np.int32)
-            for m, (slot, row, name, ids) in enumerate(to_park):
+            rows = np.full(M, self.device.store.logits.shape[0], np.int32)  # padding: dropped
+            for m, (slot, row, _, _) in enumerate(to_park):
                 slots[m], rows[m] = slot, row
-                old = self._parked.pop(name, None)
-                if old is not None:
-                    self._free_park.append(old[0])
-                self._parked[name] = (row, ids)
-            self.device.park(slots, rows)
+            window = _bucket(max(len(k) for *_, k in to_park), c.min_kv_bucket, c.max_len)
+            self.device.park(slots, rows, window)
+            for _, row, name, key in to_park:
+                self._index.add(key, row, logits=False, owner=name)
+            self.stats["parked"] += len(to_park)
         self.timings["host_s"] += time.perf_counter() - t1
-
-    def _park_row(self) -> int | None:
-        if self._park_capacity == 0:
-            return None
-        if not self._free_park:
-            _, (row, _) = self._parked.popitem(last=False)  # least recently parked
-            self._free_park.append(row)
-        return self._free_park.pop()
 
     def _stop_string_cut(self, job: _Job) -> tuple[int, int] | None:
         """(tokens to keep, character offset of the stop string) when a stop string appeared."""

@@ -30,16 +30,21 @@ class Request:
     """One completion of ``prompt_ids``.
 
     ``identity`` is what the request *is* (e.g. step, task id, sample index, call index); with the
-    engine's seed it fixes the sampling RNG. ``resume`` names a decode state parked by an earlier
-    request (a session): when the parked tokens are a prefix of ``prompt_ids`` only the rest is
-    prefilled. ``park`` asks the engine to keep this request's final decode state under that name.
+    engine's seed it fixes the sampling RNG. The engine continues from the longest decode state it
+    keeps whose tokens start the prompt (a session's parked state, a shared prompt prefix, the same
+    whole prompt) and prefills only the rest. ``snapshots`` are token counts where the prompt's
+    prefill may stop to keep a state for later requests (message boundaries the caller knows).
+    ``park`` asks the engine to keep this request's final state, owned by that name (``forget``
+    drops it). ``cache=False``: neither read nor add to the prefix cache (prefilled from scratch;
+    for checks and debugging).
     """
 
     prompt_ids: tuple[int, ...]
     sampling: Sampling = Sampling()
     identity: tuple[Any, ...] = ()
-    resume: str | None = None
+    snapshots: tuple[int, ...] = ()
     park: str | None = None
+    cache: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,7 +60,7 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: str
     prompt_tokens: int = 0
-    reused_tokens: int = 0  # prompt tokens continued from a parked state instead of prefilled
+    reused_tokens: int = 0  # prompt tokens continued from a kept state instead of prefilled
     stop_text_at: int | None = None
     error: str | None = None
     weights_version: int = 0  # the engine's weights version that sampled every token

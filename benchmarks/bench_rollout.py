@@ -1,0 +1,236 @@
+"""Rollouts end to end at WHALE's shape: the executor (sandboxed harness workers, budgets,
+records) and the engine (continuous batching, prefix cache) together, SmolLM2-135M on this CPU.
+
+Workloads (``--tasks`` tasks x ``--samples`` samples each):
+- ``h0``: the arith seed harness, one call per episode.
+- ``vote``: three few-shot turns as messages, then the question, sampled seven times and voted.
+- ``session``: a three-turn tool-using session on math: the problem, then two sandboxed Python
+  results appended as user turns, each answered by the model (the client continues the session).
+
+Each runs with the prefix cache on and off (``EngineConfig.prefix_cache=False``: only the parked
+session states are reused, as before the cache), on a fresh engine after a warm-up pass over other
+tasks (compilations are shared). Reported: wall time, episodes/s, sampled tokens/s, prompt tokens
+requested / prefilled / unique (the size of the token trie of all prompts), prefilled per sampled
+token, slot occupancy inside generate calls and the share of wall time spent in them; beside the
+bare engine's decode rate at the same slot count (all slots busy, no harness, no admission).
+
+    .venv/bin/python benchmarks/bench_rollout.py [--workloads h0,vote,session] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_model import save_results  # noqa: E402
+
+VOTE = """
+SYSTEM_PROMPT = "You are a calculator. Answer with only the number."
+SHOTS = [("What is 12 + 7?", "19"), ("What is 9 * 8?", "72"), ("What is 40 - 13?", "27")]
+VOTES = 7
+
+
+def run(task, model, tools):
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for question, answer in SHOTS:
+        messages += [{"role": "user", "content": question},
+                     {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": task.question})
+    replies = [model.chat(messages, max_new_tokens=8).strip() for _ in range(VOTES)]
+    counts = {}
+    for r in replies:
+        counts[r] = counts.get(r, 0) + 1
+    return max(counts, key=counts.get)
+"""
+
+SESSION = """
+SYSTEM_PROMPT = "You are a careful mathematician. Think briefly, then answer in \\\\boxed{}."
+
+
+def run(task, model, tools):
+    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": task.question}]
+    reply = model.chat(messages, max_new_tokens=24)
+    for code in ("print(2 ** 10)", "print(sum(range(10)))"):
+        shown = tools.python(code)["stdout"]
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": "Python says: " + shown + "Continue."}]
+        reply = model.chat(messages, max_new_tokens=24)
+    return reply
+"""
+
+
+def workloads():
+    from harness.domains import arith
+    from harness.domains import math as mathdom
+    from harness.seeds import __path__ as seeds_path
+
+    h0 = (Path(seeds_path[0]) / "arith_h0.py").read_text()
+    return {
+        "h0": (h0, arith.ArithDomain(), lambda n, s: arith.generate(n, seed=s)),
+        "vote": (VOTE, arith.ArithDomain(), lambda n, s: arith.generate(n, seed=s)),
+        "session": (
+            SESSION,
+            mathdom.MathDomain(),
+            lambda n, s: mathdom.generate_offline(n, seed=s),
+        ),
+    }
+
+
+def trie_size(prompts) -> int:
+    """Distinct prefixes over all prompts: the tokens a perfect prefix cache would prefill."""
+    seen: set[int] = set()
+    for p in prompts:
+        h = 0
+        for t in p:
+            h = hash((h, t))
+            seen.add(h)
+    return len(seen)
+
+
+def bare_decode_rate(model, slots: int, max_len: int, steps: int) -> dict:
+    """The engine alone, every slot decoding: tokens/s inside generate calls."""
+    import numpy as np
+
+    from whale_jax.engine import Engine, EngineConfig, Request, Sampling
+
+    rng = np.random.default_rng(0)
+    engine = Engine(model, EngineConfig(slots=slots, max_len=max_len, steps=steps,
+                                        prefill_batch=16, cache_rows=0), eos_ids=())  # fmt: skip
+    sampling = Sampling(temperature=1.0, top_k=20, max_new_tokens=64)
+    reqs = [Request(prompt_ids=tuple(rng.integers(0, 1000, 100).tolist()), sampling=sampling,
+                    identity=(i,), cache=False) for i in range(slots)]  # fmt: skip
+    engine.generate(reqs)  # compiles
+    engine.stats.clear()
+    engine.timings.clear()
+    engine.generate(reqs)
+    rate = engine.stats["decode_slot_steps"] / engine.timings["generate_s"]
+    engine.close()
+    return {"slots": slots, "decode_tokens_per_s": round(rate, 1)}
+
+
+def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
+    from harness.executor import Executor, ExecutorConfig
+    from whale_jax.client import EngineClient
+
+    source, domain, make_tasks = spec
+    options = dict(slots=args.slots, max_len=args.max_len, steps=args.steps, prefill_batch=16,
+                   cache_rows=args.cache_rows, prefix_cache=cache)  # fmt: skip
+    config = ExecutorConfig(concurrency=args.concurrency)
+    warm = EngineClient(model, tokenizer, **options)
+    with Executor(warm, config) as ex:  # compiles the shapes this workload meets
+        ex.run(source, domain, make_tasks(args.warm_tasks, 1000 + args.seed), samples=args.samples)
+    warm.close()
+    client = EngineClient(model, tokenizer, **options)
+    engine = client.engine
+    tasks = make_tasks(args.tasks, args.seed)
+    with Executor(client, config) as ex:
+        t0 = time.perf_counter()
+        records = ex.run(source, domain, tasks, samples=args.samples)
+        wall = time.perf_counter() - t0
+    client.close()
+    calls = [c for r in records for c in r.calls]
+    prompts = [tuple(c.prompt_ids) for c in calls]
+    sampled = sum(len(c.completion_ids) for c in calls)
+    stats, cache_stats = engine.stats, engine.cache_stats()
+    stops = collections.Counter(r.stop_reason for r in records)
+    occupancy = stats["decode_slot_steps"] / max(1, stats["generate_calls"] * args.slots
+                                                 * args.steps)  # fmt: skip
+    result = {
+        "workload": name,
+        "prefix_cache": cache,
+        "episodes": len(records),
+        "stop_reasons": dict(stops),
+        "calls": len(calls),
+        "wall_s": round(wall, 2),
+        "episodes_per_s": round(len(records) / wall, 2),
+        "sampled_tokens": sampled,
+        "sampled_tokens_per_s": round(sampled / wall, 1),
+        "prompt_tokens": sum(map(len, prompts)),
+        "prefilled_tokens": cache_stats["computed_tokens"],
+        "unique_prompt_tokens": trie_size(prompts),
+        "prefilled_per_sampled": round(cache_stats["computed_tokens"] / max(sampled, 1), 2),
+        "cache": cache_stats,
+        "slot_occupancy_in_generate": round(occupancy, 3),
+        "generate_share_of_wall": round(engine.timings["generate_s"] / wall, 3),
+        "timings_s": {k: round(v, 2) for k, v in engine.timings.items()},
+        "compile_counts": engine.compile_counts,
+        "mean_reward": round(sum(r.reward for r in records) / len(records), 4),
+        "completions": [[tuple(c.completion_ids) for c in r.calls] for r in records],
+    }
+    result["prefilled_over_unique"] = round(
+        result["prefilled_tokens"] / max(result["unique_prompt_tokens"], 1), 2
+    )
+    print(f"{name:8s} cache={'on ' if cache else 'off'} {wall:7.1f} s  "
+          f"{result['episodes_per_s']:6.2f} ep/s  {result['sampled_tokens_per_s']:6.1f} tok/s  "
+          f"prompt {result['prompt_tokens']} req / {result['prefilled_tokens']} prefilled / "
+          f"{result['unique_prompt_tokens']} unique  occupancy {occupancy:.2f}  "
+          f"generate {result['generate_share_of_wall']:.0%} of wall", flush=True)  # fmt: skip
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="h0,vote,session")
+    ap.add_argument("--tasks", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--warm-tasks", type=int, default=8)
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--cache-rows", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=256, help="episodes in flight")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default="on,off", help="prefix cache modes to run")
+    ap.add_argument("--quick", action="store_true", help="8 tasks x 8 samples, h0 and vote")
+    ap.add_argument("--out", default="benchmarks/results/rollout.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tasks, args.workloads = 8, "h0,vote"
+    from whale_jax.loading import load_model
+
+    model, _, tokenizer = load_model("smollm2")
+    specs = workloads()
+    results = {
+        "benchmark": "rollouts end to end: executor + engine, SmolLM2-135M-Instruct fp32",
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },  # fmt: skip
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "bare_engine": bare_decode_rate(model, args.slots, args.max_len, args.steps),
+        "runs": [],
+    }
+    print(f"bare engine at {args.slots} slots: "
+          f"{results['bare_engine']['decode_tokens_per_s']} tok/s", flush=True)  # fmt: skip
+    for name in args.workloads.split(","):
+        by_mode = {}
+        for mode in args.modes.split(","):
+            by_mode[mode] = run_workload(model, tokenizer, name, specs[name], args, mode == "on")
+        if {"on", "off"} <= by_mode.keys():
+            on, off = by_mode["on"], by_mode["off"]
+            on["speedup_vs_off"] = round(off["wall_s"] / on["wall_s"], 2)
+            on["same_tokens_as_off"] = on["completions"] == off["completions"]
+            print(f"{name:8s} cache on: {on['speedup_vs_off']}x faster, same tokens "
+                  f"{on['same_tokens_as_off']}", flush=True)  # fmt: skip
+        for r in by_mode.values():
+            r["sampled_over_bare"] = round(
+                r["sampled_tokens_per_s"] / results["bare_engine"]["decode_tokens_per_s"], 3
+            )
+            del r["completions"]
+            results["runs"].append(r)
+        save_results(results, args.out)
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,214 @@
+"""The prefix cache: the host index on its own, then the engine serving from it.
+
+Hit and miss are compared token for token, greedy and sampled: a request continued from a kept
+state and one prefilled from scratch (``cache=False``) compute the same logits along different
+paths (segment boundaries move the GDN chunking and the attention blocks), which round
+differently by ~1e-6 of the logits' scale; a token can then differ only at a near-tie of that
+size (greedy) or a Gumbel-max draw that close (sampled), about 1e-6 per token. Greedy tokens are
+also checked against the full forward, teacher-forced."""
+
+import jax
+import pytest
+from flax import nnx
+
+from tests.engine.conftest import assert_greedy
+from tests.engine.test_engine import SAMPLED, greedy, prompts_for
+from whale_jax.engine import Engine, EngineConfig, Request
+from whale_jax.engine.prefix_cache import PrefixIndex, branch_points
+
+# -- the index -----------------------------------------------------------------------------------
+
+
+def test_lookup_finds_the_longest_usable_prefix():
+    index = PrefixIndex(4, block=2)
+    a = index.add((1, 2), index.alloc(), logits=True)
+    b = index.add((1, 2, 3, 4), index.alloc(), logits=False)
+    index.add((9, 9, 9), index.alloc(), logits=True)
+    assert index.lookup((1, 2, 3, 4, 5)) is b
+    assert index.lookup((1, 2, 3)) is a
+    # The whole prompt is usable only with its logits: without, the next shorter entry serves.
+    assert index.lookup((1, 2, 3, 4)) is a
+    assert index.lookup((1, 2)) is a
+    assert index.lookup((2, 1)) is None
+    assert index.shared_depth((1, 2, 3, 7, 7)) == 2
+    assert index.shared_depth((1, 2, 3, 4, 7)) == 4
+    assert index.shared_depth((9, 9, 5)) == 2
+    assert index.shared_depth((5,)) == 0
+
+
+def test_eviction_takes_cold_entries_first_and_never_pinned_ones():
+    index = PrefixIndex(3, block=4)
+    parked = index.add((1,), index.alloc(), logits=False, owner="session")
+    cold_old = index.add((2,), index.alloc(), logits=True)
+    cold_new = index.add((3,), index.alloc(), logits=True)
+    assert parked.hot and not cold_old.hot
+    index.pin(cold_old)
+    row = index.alloc()  # the oldest cold entry is pinned: the next cold one goes
+    assert row == cold_new.row and (3,) not in index and (2,) in index
+    index.add((4,), row, logits=True)
+    # A speculative row may not displace a hot entry; a needed one may.
+    index.lookup((4, 0))  # (4,) is hit: hot now
+    assert index.alloc(evict_hot=False) is None
+    index.unpin(cold_old)
+    assert index.alloc(evict_hot=False) == cold_old.row
+    assert index.alloc() == parked.row  # least recently used of the hot ones
+    assert index.evictions == 3 and index.rows_in_use() == 3
+
+
+def test_forget_drops_a_session_and_a_new_park_replaces_the_old():
+    index = PrefixIndex(4, block=4)
+    index.add((1, 2), index.alloc(), logits=False, owner="s")
+    index.add((1, 2, 3, 4), index.alloc(), logits=False, owner="s")
+    assert (1, 2) not in index and (1, 2, 3, 4) in index
+    index.forget("s")
+    assert len(index) == 0 and index.rows_in_use() == 0
+    index.forget("never-parked")
+
+
+def test_branch_points_are_where_sharing_groups_shrink():
+    common, other = tuple(range(40)), tuple(range(100, 140))
+    prompts = [common + (1, 2, 3), common + (4,) * 20, common[:20] + (7,) * 9, other, common + (1,)]
+    points = branch_points(prompts, block=8)
+    # Four prompts share 16 tokens (two blocks), three of them share 40 (five blocks).
+    assert points[prompts[0]] == [16, 40]
+    assert points[prompts[1]] == [16, 40]
+    assert points[prompts[2]] == [16]
+    assert points[prompts[3]] == []
+    # A prompt that is a whole-block prefix of others branches at its own end.
+    assert branch_points([common[:16], common], block=8)[common[:16]] == [16]
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["tiny_qwen3_5", "tiny_llama"])
+def setup(request):
+    model, cfg, _ = request.getfixturevalue(request.param)
+    config = EngineConfig(slots=4, max_len=96, steps=4, prefill_batch=4, min_kv_bucket=32,
+                          cache_rows=16, share_block=8)  # fmt: skip
+    engine = Engine(model, config, eos_ids=())
+    yield model, cfg, engine
+    engine.close()
+
+
+def _pairs(engine, prompts, sampling, snapshots=()):
+    """Each prompt through the cache and from scratch, same identity: (hit, miss) completions."""
+    ids = [("case", i) for i in range(len(prompts))]
+    hits = engine.generate([Request(prompt_ids=p, sampling=sampling, identity=k, snapshots=snapshots)
+                            for p, k in zip(prompts, ids, strict=True)])  # fmt: skip
+    misses = engine.generate([Request(prompt_ids=p, sampling=sampling, identity=k, cache=False)
+                              for p, k in zip(prompts, ids, strict=True)])  # fmt: skip
+    return hits, misses
+
+
+@pytest.mark.parametrize("where", ["mid_message", "boundary", "whole_prompt"])
+def test_a_hit_samples_what_a_miss_does(setup, where):
+    model, cfg, engine = setup
+    head, tail_a, *tails = prompts_for(cfg.vocab_size, lengths=(21, 6, 9, 10), seed=40)
+    seed = engine.generate([Request(prompt_ids=head + tail_a, sampling=greedy(1),
+                                    snapshots=(13, 21))])[0]  # fmt: skip
+    assert seed.error is None
+    for tail_b, sampling in zip(tails, (greedy(6), SAMPLED), strict=True):
+        if where == "mid_message":  # kept at 13 tokens: a cut that is no message boundary
+            prompts, reused = [head[:13] + tail_b, head[:13] + tail_a + tail_b], 13
+        elif where == "boundary":  # kept at 21 (the "system prompt" end)
+            prompts, reused = [head + tail_b, head + tail_b + tail_a], 21
+        else:  # the whole first prompt, kept with its logits: no prefill at all
+            prompts, reused = [head + tail_a, head + tail_a], len(head + tail_a)
+        hits, misses = _pairs(engine, prompts, sampling)
+        assert [h.reused_tokens for h in hits] == [reused] * 2, where
+        assert all(m.reused_tokens == 0 for m in misses)
+        assert [h.token_ids for h in hits] == [m.token_ids for m in misses]
+        if sampling.temperature == 0:
+            assert_greedy(model, prompts * 2, [o.token_ids for o in hits + misses])
+
+
+def test_prompts_admitted_together_prefill_their_shared_prefix_once(setup):
+    _, cfg, engine = setup
+    common, *tails = prompts_for(cfg.vocab_size, lengths=(40, 5, 6, 7, 8), seed=41)
+    prompts = [common + t for t in tails]
+    before = engine.cache_stats()
+    hits = engine.generate([Request(prompt_ids=p, sampling=greedy(3)) for p in prompts])
+    after = engine.cache_stats()
+    # Branch point at 40 (whole 8-token blocks): 40 shared tokens once, then each tail.
+    assert after["computed_tokens"] - before["computed_tokens"] == 40 + sum(map(len, tails))
+    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(map(len, prompts))
+    misses = engine.generate(
+        [Request(prompt_ids=p, sampling=greedy(3), cache=False) for p in prompts]
+    )
+    assert [h.token_ids for h in hits] == [m.token_ids for m in misses]
+    # A later prompt along the same prefix continues from the kept branch point.
+    later = engine.generate([Request(prompt_ids=common + tails[0][:2], sampling=greedy(3))])[0]
+    assert later.reused_tokens == 40
+
+
+def test_n_samples_arriving_apart_share_one_prefill(setup):
+    _, cfg, engine = setup
+    prompt = prompts_for(cfg.vocab_size, lengths=(19,), seed=42)[0]
+    before = engine.cache_stats()
+    outs = [engine.generate([Request(prompt_ids=prompt, sampling=SAMPLED, identity=("n", i))])[0]
+            for i in range(4)]  # fmt: skip
+    after = engine.cache_stats()
+    assert after["computed_tokens"] - before["computed_tokens"] == len(prompt)
+    assert after["full_hits"] - before["full_hits"] == 3
+    assert [o.reused_tokens for o in outs] == [0] + [len(prompt)] * 3
+    assert len({o.token_ids for o in outs}) == 4  # each its own sample
+
+
+def test_a_cache_too_small_gives_the_same_tokens_within_its_budget(tiny_qwen3_5):
+    model, cfg, _ = tiny_qwen3_5
+    common, *tails = prompts_for(cfg.vocab_size, lengths=(24, 3, 4, 5, 6, 7, 8, 9), seed=43)
+    prompts = [common + t for t in tails] + [common[:10] + t for t in tails]
+    ref = Engine(model, EngineConfig(slots=4, max_len=64, steps=4, cache_rows=0), eos_ids=())
+    want = ref.generate([Request(prompt_ids=p, sampling=SAMPLED, identity=(i,), cache=False)
+                         for i, p in enumerate(prompts)])  # fmt: skip
+    assert ref.cache_stats()["entries"] == 0
+    ref.close()
+    budget = 2 * ref.memory["slot_bytes"] + ref.memory["slot_bytes"] // 2
+    small = Engine(model, EngineConfig(slots=4, max_len=64, steps=4, cache_bytes=budget,
+                                       share_block=4), eos_ids=())  # fmt: skip
+    for _ in range(2):  # the second round meets whatever the first left
+        got = small.generate([Request(prompt_ids=p, sampling=SAMPLED, identity=(i,), park=f"s{i}")
+                              for i, p in enumerate(prompts)])  # fmt: skip
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        stats = small.cache_stats()
+        assert stats["rows"] == 2 and stats["bytes_in_use"] <= budget
+    assert stats["evictions"] > 0  # under pressure all along
+    assert stats["computed_tokens"] < stats["prompt_tokens"]  # and still sharing
+    small.close()
+
+
+def test_new_weights_drop_every_kept_state(setup):
+    model, cfg, engine = setup
+    prompt = prompts_for(cfg.vocab_size, lengths=(17,), seed=44)[0]
+    req = Request(prompt_ids=prompt, sampling=greedy(5), park="p")
+    engine.generate([req])
+    assert engine.cache_stats()["entries"] > 0
+    graphdef, params = nnx.split(model)
+    negated = jax.tree.map(lambda x: -x, params)
+    engine.set_params(negated)
+    try:
+        assert engine.cache_stats()["entries"] == 0
+        after = engine.generate([req])[0]
+        assert after.reused_tokens == 0
+        fresh = Engine(nnx.merge(graphdef, negated), engine.config, eos_ids=())
+        assert fresh.generate([req])[0].token_ids == after.token_ids
+        fresh.close()
+    finally:
+        engine.set_params(params)
+
+
+def test_prefix_cache_off_keeps_sessions_only(tiny_llama):
+    model, cfg, _ = tiny_llama
+    engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, prefix_cache=False),
+                    eos_ids=())  # fmt: skip
+    prompt, delta = prompts_for(cfg.vocab_size, lengths=(12, 3), seed=45)
+    first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(4), park="s")])[0]
+    again = engine.generate([Request(prompt_ids=prompt, sampling=greedy(4))])[0]
+    assert again.reused_tokens == 0  # no whole-prompt state was kept
+    follow = prompt + first.token_ids + delta
+    turn = engine.generate([Request(prompt_ids=follow, sampling=greedy(4))])[0]
+    assert turn.reused_tokens == len(prompt) + len(first.token_ids) - 1
+    assert_greedy(model, [prompt, prompt, follow], [first.token_ids, again.token_ids,
+                                                    turn.token_ids])  # fmt: skip
+    engine.close()

@@ -1,0 +1,202 @@
+"""The host-side index of the engine's prefix cache: which token prefixes have a decode state in
+which row of the device store, least recently used first.
+
+One store serves every reuse of a computed state: a session's parked state (prompt + completion,
+all but the last sampled token), the state at a snapshot point of a prompt (a message boundary the
+client marked, a prefix that several prompts share) and a whole prompt (its last-token logits kept
+too, so n samples or k votes of one prompt need no prefill at all). An entry is keyed by its exact
+token ids: a request may continue from any entry whose tokens start its prompt, whoever made it.
+
+Rows are pinned while an admission reads them (``pin``/``unpin``). Eviction is LRU in two tiers:
+a whole prompt kept on speculation (another sample or vote of it may come) is *cold* until a
+request continues from it; a parked session, a snapshot point (a message boundary, a branch
+point) and any entry that has been hit are *hot*. A row is taken from the least recently used cold entry
+first; a speculative entry may only displace cold ones, so unique prompts passing through never
+push out the sessions and shared prefixes that will be read again. ``shared_depth`` says how deep, in whole ``block``-token steps, a
+prompt shares a prefix with any entry: where a prompt runs along a cached prompt and then departs,
+the engine snapshots it at that depth so the next such prompt hits (a radix tree's branch points,
+rounded down to blocks so that near-identical points do not each cost a prefill call).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+Tokens = tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Entry:
+    key: Tokens
+    row: int
+    logits: bool  # the store row holds the logits after the last key token (a whole prompt)
+    hot: bool = False  # parked, a snapshot point, or hit since it was kept
+    owner: str | None = None  # the session that parked it (dropped by ``forget``)
+    pins: int = 0
+
+
+class PrefixIndex:
+    """LRU index of ``rows`` store rows (0 rows: nothing is ever kept)."""
+
+    def __init__(self, rows: int, *, block: int = 16):
+        if rows < 0 or block < 1:
+            raise ValueError(f"rows must be >= 0 and block >= 1, got {rows}, {block}")
+        self.rows, self.block = rows, block
+        self._entries: collections.OrderedDict[Tokens, Entry] = collections.OrderedDict()
+        self._by_len: dict[int, set[Tokens]] = collections.defaultdict(set)
+        self._owners: dict[str, Tokens] = {}
+        self._blocks: collections.Counter[Tokens] = collections.Counter()
+        self._free = list(range(rows - 1, -1, -1))
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Tokens) -> bool:
+        return key in self._entries
+
+    def get(self, key: Tokens) -> Entry | None:
+        return self._entries.get(key)
+
+    # -- lookup ----------------------------------------------------------------------------------
+    def lookup(self, prompt: Tokens) -> Entry | None:
+        """The longest entry a request for ``prompt`` can continue from: its key is a proper
+        prefix of the prompt, or the whole prompt with its logits kept. Marks it recently used."""
+        n = len(prompt)
+        for length in sorted((k for k, keys in self._by_len.items() if keys and k <= n),
+                             reverse=True):  # fmt: skip
+            key = prompt if length == n else prompt[:length]
+            entry = self._entries.get(key)
+            if entry is not None and (length < n or entry.logits):
+                self.touch(entry)
+                return entry
+        return None
+
+    def touch(self, entry: Entry) -> None:
+        """A request continues from ``entry``: most recently used, and hot."""
+        self._entries.move_to_end(entry.key)
+        entry.hot = True
+
+    def shared_depth(self, prompt: Tokens) -> int:
+        """The longest whole number of blocks that ``prompt`` shares with some entry's key."""
+        b, lo, hi = self.block, 0, len(prompt) // self.block
+        while lo < hi:  # block prefixes of the keys are prefix-closed: binary search the depth
+            mid = (lo + hi + 1) // 2
+            if self._blocks[prompt[: mid * b]] > 0:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * b
+
+    # -- rows ------------------------------------------------------------------------------------
+    def alloc(self, *, evict_hot: bool = True) -> int | None:
+        """A free row, else the row of the least recently used unpinned cold entry, else (with
+        ``evict_hot``) of the least recently used unpinned entry; None when there is none."""
+        if self._free:
+            return self._free.pop()
+        victim = next((k for k, e in self._entries.items() if not e.pins and not e.hot), None)
+        if victim is None and evict_hot:
+            victim = next((k for k, e in self._entries.items() if not e.pins), None)
+        if victim is None:
+            return None
+        self._remove(victim)
+        self.evictions += 1
+        return self._free.pop()
+
+    def release(self, row: int) -> None:
+        """Gives back a row from ``alloc`` that never became an entry."""
+        self._free.append(row)
+
+    def add(
+        self, key: Tokens, row: int, *, logits: bool, hot: bool = False, owner: str | None = None
+    ) -> Entry | None:
+        """Makes ``row`` (from ``alloc``) the entry for ``key``. An existing entry for the key is
+        replaced, unless it is pinned or has logits where the new one has none: then the row is
+        released and None returned (the state is there already). ``owner`` (a session) replaces
+        that owner's previous entry."""
+        old = self._entries.get(key)
+        if old is not None:
+            if old.pins or (old.logits and not logits):
+                self.release(row)
+                return None
+            self._remove(key)
+        entry = Entry(key=key, row=row, logits=logits, hot=hot or owner is not None)
+        self._entries[key] = entry
+        self._by_len[len(key)].add(key)
+        b = self.block
+        for depth in range(b, len(key) + 1, b):
+            self._blocks[key[:depth]] += 1
+        if owner is not None:
+            self.forget(owner)
+            entry.owner = owner
+            self._owners[owner] = key
+        return entry
+
+    def pin(self, entry: Entry) -> None:
+        entry.pins += 1
+
+    def unpin(self, entry: Entry) -> None:
+        entry.pins -= 1
+        assert entry.pins >= 0, entry
+
+    # -- dropping --------------------------------------------------------------------------------
+    def _remove(self, key: Tokens) -> None:
+        entry = self._entries.pop(key)
+        self._by_len[len(key)].discard(key)
+        b = self.block
+        for depth in range(b, len(key) + 1, b):
+            prefix = key[:depth]
+            self._blocks[prefix] -= 1
+            if self._blocks[prefix] <= 0:
+                del self._blocks[prefix]
+        if entry.owner is not None and self._owners.get(entry.owner) == key:
+            del self._owners[entry.owner]
+        self._free.append(entry.row)
+
+    def forget(self, owner: str) -> None:
+        """Drops the entry a session parked (if it is still there and nobody reads it now)."""
+        key = self._owners.pop(owner, None)
+        entry = None if key is None else self._entries.get(key)
+        if entry is not None:
+            entry.owner = None
+            if entry.pins == 0:
+                self._remove(key)
+
+    def clear(self) -> int:
+        """Drops every entry (new weights); returns how many. Nothing may be pinned."""
+        n = len(self._entries)
+        assert not any(e.pins for e in self._entries.values())
+        for key in list(self._entries):
+            self._remove(key)
+        return n
+
+    def rows_in_use(self) -> int:
+        return self.rows - len(self._free)
+
+
+def branch_points(prompts: Sequence[Tokens], block: int) -> dict[Tokens, list[int]]:
+    """For prompts admitted together: the depths (whole blocks) where each prompt's group of
+    prompts sharing its prefix shrinks, i.e. the branch points of their radix tree, rounded down
+    to blocks. A prompt that shares nothing with the others gets none."""
+    distinct = list(dict.fromkeys(prompts))
+    counts: collections.Counter[Tokens] = collections.Counter()
+    for p in distinct:
+        for depth in range(block, len(p) + 1, block):
+            counts[p[:depth]] += 1
+    points: dict[Tokens, list[int]] = {}
+    for p in distinct:
+        mine, prev = [], None
+        for depth in range(block, len(p) + 1, block):
+            c = counts[p[:depth]]
+            if prev is not None and c < prev and prev >= 2:
+                mine.append(depth - block)
+            prev = c
+            if c < 2:
+                break
+        else:
+            if prev is not None and prev >= 2:
+                mine.append((len(p) // block) * block)
+        points[p] = mine
+    return points
