@@ -29,7 +29,6 @@ from whale_jax.engine.engine import Engine, EngineConfig
 from whale_jax.engine.requests import Request, Sampling
 from whale_jax.models.transformer import Transformer
 
-
 _PROBE = "\x00probe\x00"  # stands for "the turn after these messages" when finding boundaries
 
 
