@@ -171,7 +171,8 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     print(f"{name:8s} cache={'on ' if cache else 'off'} {wall:7.1f} s  "
           f"{result['episodes_per_s']:6.2f} ep/s  {result['sampled_tokens_per_s']:6.1f} tok/s  "
           f"prompt {result['prompt_tokens']} req / {result['prefilled_tokens']} prefilled / "
-          f"{result['unique_prompt_tokens']} unique  occupancy {occupancy:.2f}  "
+          f"{result['unique_prompt_tokens']} unique  full hits {cache_stats['full_hits']}  "
+          f"evictions {cache_stats['evictions']}  occupancy {occupancy:.2f}  "
           f"generate {result['generate_share_of_wall']:.0%} of wall", flush=True)  # fmt: skip
     return result
 

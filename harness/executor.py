@@ -191,6 +191,11 @@ class Executor:
         self._calls = concurrent.futures.ThreadPoolExecutor(config.backend_threads, "model-call")
         self._tools = concurrent.futures.ThreadPoolExecutor(config.tool_threads, "tool-call")
         self.last_protections: dict[str, str] = {}
+        self.last_backend_stats: dict[str, float] = {}
+
+    def _backend_stats(self) -> dict[str, float]:
+        stats = getattr(self.backend, "stats", None)
+        return dict(stats()) if callable(stats) else {}
 
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
@@ -216,7 +221,12 @@ class Executor:
         goes into every request's RNG identity: the RSFT step, so each step samples afresh."""
         r = _Run(self, source, domain, tasks, samples, run_id)
         r.step = self.config.step if step is None else int(step)
+        before = self._backend_stats()
         records = r.execute()
+        after = self._backend_stats()
+        # The backend's counters (e.g. the engine's prefix cache) over this run; runs sharing
+        # the backend at the same time are counted in each other's.
+        self.last_backend_stats = {k: v - before.get(k, 0) for k, v in after.items()}
         if r.protections:
             self.last_protections = r.protections
         return records

@@ -223,6 +223,17 @@ class EngineClient:
             s = self._sessions.get(session_id)
             return None if s is None else dataclasses.replace(s)
 
+    def stats(self) -> dict[str, float]:
+        """Monotone counters of the engine behind this client (the executor reports their change
+        over each run): prompt tokens requested / computed / served from kept states, requests,
+        cache hits, full hits, evictions, sampled tokens, decode slot-steps, generate calls."""
+        c, st = self.engine.cache_stats(), self.engine.stats
+        keys = ("prompt_tokens", "computed_tokens", "cached_tokens", "requests", "hits",
+                "full_hits", "evictions")  # fmt: skip
+        return {**{k: c[k] for k in keys}, "sampled_tokens": st["generated_tokens"],
+                "decode_slot_steps": st["decode_slot_steps"],
+                "generate_calls": st["generate_calls"]}  # fmt: skip
+
     def close(self) -> None:
         if self._owns_engine:
             self.engine.close()

@@ -37,22 +37,26 @@ def test_lookup_finds_the_longest_usable_prefix():
 
 
 def test_eviction_takes_cold_entries_first_and_never_pinned_ones():
-    index = PrefixIndex(3, block=4)
+    index = PrefixIndex(4, block=4)  # at most 2 hot entries
     parked = index.add((1,), index.alloc(), logits=False, owner="session")
-    cold_old = index.add((2,), index.alloc(), logits=True)
-    cold_new = index.add((3,), index.alloc(), logits=True)
-    assert parked.hot and not cold_old.hot
-    index.pin(cold_old)
-    row = index.alloc()  # the oldest cold entry is pinned: the next cold one goes
-    assert row == cold_new.row and (3,) not in index and (2,) in index
-    index.add((4,), row, logits=True)
-    # A speculative row may not displace a hot entry; a needed one may.
-    index.lookup((4, 0))  # (4,) is hit: hot now
+    snap = index.add((2,), index.alloc(), logits=True, hot=True)
+    whole_old = index.add((3,), index.alloc(), logits=True)
+    whole_new = index.add((4,), index.alloc(), logits=True)
+    assert snap.hot and not (parked.hot or whole_old.hot or whole_new.hot)
+    index.pin(parked)
+    row = index.alloc()  # the least recently used cold entry is pinned: the next cold one goes
+    assert row == whole_old.row and (3,) not in index and (1,) in index
+    index.add((5,), row, logits=True)
+    index.lookup((4, 0))  # hits make entries hot ...
+    index.lookup((5, 0))  # ... and beyond the cap the least recently used hot one cools
+    assert whole_new.hot and index.get((5,)).hot and not snap.hot
+    # A speculative row may displace only cold entries; a needed one may take any unpinned.
+    assert index.alloc(evict_hot=False) == snap.row
+    index.unpin(parked)
+    assert index.alloc(evict_hot=False) == parked.row
     assert index.alloc(evict_hot=False) is None
-    index.unpin(cold_old)
-    assert index.alloc(evict_hot=False) == cold_old.row
-    assert index.alloc() == parked.row  # least recently used of the hot ones
-    assert index.evictions == 3 and index.rows_in_use() == 3
+    assert index.alloc() == whole_new.row
+    assert index.evictions == 4 and index.rows_in_use() == 4
 
 
 def test_forget_drops_a_session_and_a_new_park_replaces_the_old():

@@ -181,10 +181,13 @@ def _unwindow(full: DecodeCache, part: DecodeCache, kv: tuple[bool, ...]) -> Dec
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=7)
 def _generate(
-    graphdef, kv, steps, max_top_k, kv_len, params, groups, state: DecodeState, occupied_B
-):
+    graphdef, kv, steps, max_top_k, kv_len, params, groups, state: DecodeState, occupied_B,
+    min_active,
+):  # fmt: skip
     """``kv_len`` (static, a bucket) bounds every active slot's length for this call: the loop runs
     on that window of the KV cache, so each step reads kv_len positions instead of the capacity.
+    The loop also ends once no more than ``min_active`` slots are still active (traced: the host
+    sets it so the call returns as soon as enough slots are free for the requests waiting).
     ``groups`` (per-group weights, or None to scan the stacked ones) is passed to ``extend``."""
     model = nnx.merge(graphdef, params)
     B = occupied_B.shape[0]
@@ -198,7 +201,7 @@ def _generate(
 
     def cond(carry):
         i, st, _ = carry
-        return (i < steps) & jnp.any(st.active)
+        return (i < steps) & (jnp.sum(st.active) > min_active)
 
     def body(carry):
         i, st, out = carry
@@ -402,10 +405,11 @@ class DeviceEngine:
         self._note("insert", prefix.logits.shape[0], prefix.cache.capacity, len(init.rows))
         self.state = _insert(self.kv, self.state, prefix, arrays)
 
-    def generate(self, occupied_B, kv_len: int | None = None) -> Array:
+    def generate(self, occupied_B, kv_len: int | None = None, min_active: int = 0) -> Array:
         """Advances every occupied, active slot by up to ``steps`` tokens; returns [B, steps] ids
         (-1 where a slot drew nothing). ``kv_len`` must bound every occupied slot's cache length
-        after the call (the host knows it); None reads the whole capacity."""
+        after the call (the host knows it); None reads the whole capacity. The call returns early
+        once at most ``min_active`` slots are still active (0: when all have stopped)."""
         kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
         self._note("generate", self.slots, kv_len)
         self.state, out = _generate(
@@ -418,6 +422,7 @@ class DeviceEngine:
             self.groups,
             self.state,
             jnp.asarray(occupied_B),
+            jnp.int32(min_active),
         )
         return out
 

@@ -626,7 +626,12 @@ class Engine:
         c = self.config
         longest = max(len(j.prompt) + j.device_tokens for j in self._running if j is not None)
         kv_len = _bucket(longest + c.steps, c.min_kv_bucket, c.max_len)
-        out = np.asarray(self.device.generate(occupied, kv_len))
+        # Requests are waiting: come back as soon as enough slots are free for them (or a
+        # fraction of the slots), instead of decoding the rest of the steps with slots idle.
+        waiting = 0 if self._pending_params is not None else len(self._queue)
+        want = min(waiting, max(1, c.slots // 8))
+        min_active = max(0, int(occupied.sum()) - want) if want else 0
+        out = np.asarray(self.device.generate(occupied, kv_len, min_active))
         t1 = time.perf_counter()
         self.timings["generate_s"] += t1 - t0
         self.stats["generate_calls"] += 1

@@ -32,7 +32,7 @@ class Entry:
     key: Tokens
     row: int
     logits: bool  # the store row holds the logits after the last key token (a whole prompt)
-    hot: bool = False  # parked, a snapshot point, or hit since it was kept
+    hot: bool = False  # a snapshot point, or hit since it was kept
     owner: str | None = None  # the session that parked it (dropped by ``forget``)
     pins: int = 0
 
@@ -40,10 +40,15 @@ class Entry:
 class PrefixIndex:
     """LRU index of ``rows`` store rows (0 rows: nothing is ever kept)."""
 
-    def __init__(self, rows: int, *, block: int = 16):
-        if rows < 0 or block < 1:
-            raise ValueError(f"rows must be >= 0 and block >= 1, got {rows}, {block}")
+    def __init__(self, rows: int, *, block: int = 16, hot_fraction: float = 0.5):
+        if rows < 0 or block < 1 or not 0.0 <= hot_fraction <= 1.0:
+            raise ValueError(
+                f"need rows >= 0, block >= 1, 0 <= hot_fraction <= 1; got {rows}, {block}, "
+                f"{hot_fraction}"
+            )
         self.rows, self.block = rows, block
+        self.hot_limit = int(rows * hot_fraction)
+        self._hot = 0
         self._entries: collections.OrderedDict[Tokens, Entry] = collections.OrderedDict()
         self._by_len: dict[int, set[Tokens]] = collections.defaultdict(set)
         self._owners: dict[str, Tokens] = {}
@@ -77,7 +82,22 @@ class PrefixIndex:
     def touch(self, entry: Entry) -> None:
         """A request continues from ``entry``: most recently used, and hot."""
         self._entries.move_to_end(entry.key)
+        self._heat(entry)
+
+    def _heat(self, entry: Entry) -> None:
+        if entry.hot:
+            return
         entry.hot = True
+        self._hot += 1
+        if self._hot > self.hot_limit:  # demote the least recently used other hot entry
+            for other in self._entries.values():
+                if other.hot and other is not entry:
+                    other.hot = False
+                    self._hot -= 1
+                    break
+            else:
+                entry.hot = False
+                self._hot -= 1
 
     def shared_depth(self, prompt: Tokens) -> int:
         """The longest whole number of blocks that ``prompt`` shares with some entry's key."""
@@ -122,8 +142,10 @@ class PrefixIndex:
                 self.release(row)
                 return None
             self._remove(key)
-        entry = Entry(key=key, row=row, logits=logits, hot=hot or owner is not None)
+        entry = Entry(key=key, row=row, logits=logits)
         self._entries[key] = entry
+        if hot:
+            self._heat(entry)
         self._by_len[len(key)].add(key)
         b = self.block
         for depth in range(b, len(key) + 1, b):
@@ -144,6 +166,7 @@ class PrefixIndex:
     # -- dropping --------------------------------------------------------------------------------
     def _remove(self, key: Tokens) -> None:
         entry = self._entries.pop(key)
+        self._hot -= entry.hot
         self._by_len[len(key)].discard(key)
         b = self.block
         for depth in range(b, len(key) + 1, b):
