@@ -7,7 +7,8 @@ Workloads (``--tasks`` tasks x ``--samples`` samples each):
 - ``session``: a three-turn tool-using session on math: the problem, then two sandboxed Python
   results appended as user turns, each answered by the model (the client continues the session).
 
-Each runs with the prefix cache on and off (``EngineConfig.prefix_cache=False``: only the parked
+Session runs ``--session-tasks`` tasks (its episodes are three times as long). Each runs with the
+prefix cache on and off (``EngineConfig.prefix_cache=False``: only the parked
 session states are reused, as before the cache), on a fresh engine after a warm-up pass over other
 tasks (compilations are shared). Reported: wall time, episodes/s, sampled tokens/s, prompt tokens
 requested / prefilled / unique (the size of the token trie of all prompts), prefilled per sampled
@@ -130,7 +131,7 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     warm.close()
     client = EngineClient(model, tokenizer, **options)
     engine = client.engine
-    tasks = make_tasks(args.tasks, args.seed)
+    tasks = make_tasks(args.session_tasks if name == "session" else args.tasks, args.seed)
     with Executor(client, config) as ex:
         t0 = time.perf_counter()
         records = ex.run(source, domain, tasks, samples=args.samples)
@@ -141,8 +142,7 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     sampled = sum(len(c.completion_ids) for c in calls)
     stats, cache_stats = engine.stats, engine.cache_stats()
     stops = collections.Counter(r.stop_reason for r in records)
-    occupancy = stats["decode_slot_steps"] / max(1, stats["generate_calls"] * args.slots
-                                                 * args.steps)  # fmt: skip
+    occupancy = stats["decode_slot_steps"] / max(1, stats["decode_steps"] * args.slots)
     result = {
         "workload": name,
         "prefix_cache": cache,
@@ -159,6 +159,8 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
         "prefilled_per_sampled": round(cache_stats["computed_tokens"] / max(sampled, 1), 2),
         "cache": cache_stats,
         "slot_occupancy_in_generate": round(occupancy, 3),
+        "generate_calls": stats["generate_calls"],
+        "decode_steps": stats["decode_steps"],
         "generate_share_of_wall": round(engine.timings["generate_s"] / wall, 3),
         "timings_s": {k: round(v, 2) for k, v in engine.timings.items()},
         "compile_counts": engine.compile_counts,
@@ -181,12 +183,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="h0,vote,session")
     ap.add_argument("--tasks", type=int, default=64)
+    ap.add_argument("--session-tasks", type=int, default=16, help="tasks of the session workload")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--warm-tasks", type=int, default=8)
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--cache-rows", type=int, default=128)
+    ap.add_argument("--cache-rows", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=256, help="episodes in flight")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default="on,off", help="prefix cache modes to run")
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/rollout.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.tasks, args.workloads = 8, "h0,vote"
+        args.tasks, args.session_tasks, args.workloads = 8, 4, "h0,vote"
     from whale_jax.loading import load_model
 
     model, _, tokenizer = load_model("smollm2")

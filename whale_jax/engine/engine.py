@@ -635,6 +635,7 @@ class Engine:
         t1 = time.perf_counter()
         self.timings["generate_s"] += t1 - t0
         self.stats["generate_calls"] += 1
+        self.stats["decode_steps"] += int((out >= 0).any(axis=0).sum())  # loop iterations run
         to_park: list[tuple[int, int, str, tuple[int, ...]]] = []
         for slot, job in enumerate(self._running):
             if job is None:
