@@ -19,6 +19,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -35,7 +36,7 @@ from typing import Any
 from harness import sandbox
 from harness.budgets import Budgets
 from harness.domains.base import Domain, EpisodeContext, Task, ToolError
-from harness.ipc import Channel, FrameError
+from harness.ipc import Channel
 from harness.model_api import ChatBackend, ChatRequest, ChatResult, RngKey, SamplingSettings
 from harness.records import EpisodeRecord, ModelCallRecord, ToolCallRecord
 from harness.static_check import check_source
@@ -43,6 +44,9 @@ from harness.static_check import check_source
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BOOT = "import sys; sys.path.insert(0, sys.argv[2]); from harness.worker import main; main()"
 _ROLES = frozenset({"system", "user", "assistant", "tool"})
+_SETTINGS = frozenset(
+    {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "enable_thinking"}
+)
 _MAX_RERUNS = 4
 _FAILURES = frozenset(
     {"static_check", "harness_load", "sandbox_violation", "output_limit", "memory_limit", "error",
@@ -364,26 +368,29 @@ class _Run:
             "load_error": self.on_load_error,
         }
         reason = ""
-        while True:
-            try:
-                msg = w.chan.recv()
-            except EOFError:
-                break
-            except (FrameError, OSError) as e:
-                reason = f"protocol: {e}"
-                break
-            handler = handlers.get(msg.get("t", ""))
-            if handler is None:
-                reason = f"protocol: unknown message {str(msg.get('t'))[:40]!r}"
-                break
-            try:
-                handler(w, msg)
-            except (KeyError, TypeError, ValueError) as e:
-                reason = f"protocol: malformed {msg.get('t')!r} message ({e})"
-                break
-        if reason:
-            w.kill()
-        self.on_death(w, reason)
+        try:
+            while True:
+                try:
+                    msg = w.chan.recv()
+                except EOFError:
+                    break
+                except Exception as e:  # FrameError, OSError, anything a hostile peer provokes
+                    reason = f"protocol: {type(e).__name__}: {e}"[:500]
+                    break
+                handler = handlers.get(msg.get("t", "")) if isinstance(msg.get("t"), str) else None
+                if handler is None:
+                    reason = f"protocol: unknown message {str(msg.get('t'))[:40]!r}"
+                    break
+                try:
+                    handler(w, msg)
+                except Exception as e:  # a frame the handler could not take fails this worker
+                    reason = (f"protocol: malformed {str(msg.get('t'))[:40]!r} message "
+                              f"({type(e).__name__}: {str(e)[:200]})")  # fmt: skip
+                    break
+        finally:  # whatever happened above, the worker is killed, reaped and its episodes settled
+            if reason:
+                w.kill()
+            self.on_death(w, reason)
 
     def reap(self, w: _Worker, grace_s: float = 0.0) -> str:
         rc = None
@@ -520,7 +527,7 @@ class _Run:
             messages = [{"role": m["role"], "content": m["content"]} for m in messages]
             try:
                 settings = self.settings(msg.get("settings") or {}, b, ep)
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, ArithmeticError) as e:
                 w.send({"t": "reply", "rid": rid, "ok": False, "kind": "model",
                         "error": f"bad sampling settings: {e}"})  # fmt: skip
                 return
@@ -576,10 +583,32 @@ class _Run:
         self.ex._calls.submit(self.call_model, w, ep, attempt, rid, request, call, session)
 
     def settings(self, given: dict[str, Any], b: Budgets, ep: _Ep) -> SamplingSettings:
+        """The call's sampling settings: the harness's overrides on the defaults, each checked
+        for type and range (a frame is hostile: non-finite or huge numbers, bools for numbers,
+        unknown keys all refused with ValueError)."""
+        if not isinstance(given, dict):
+            raise ValueError("settings must be an object")
+        unknown = set(given) - _SETTINGS
+        if unknown:
+            raise ValueError(f"unknown settings {sorted(map(str, unknown))[:5]}")
         base = self.cfg.default_settings.to_dict()
-        for key in ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "enable_thinking"):
-            if key in given:
-                base[key] = given[key]
+        for key, value in given.items():
+            if key in ("temperature", "top_p"):
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"{key} must be a number")
+                if not math.isfinite(value) or not 0.0 <= value <= 10.0:
+                    raise ValueError(f"{key} out of range")
+            elif key in ("top_k", "max_new_tokens"):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"{key} must be an integer")
+                if not 0 <= value <= 1 << 30:
+                    raise ValueError(f"{key} out of range")
+            elif key == "stop":
+                if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+                    raise ValueError("stop must be a list of strings")
+            elif key == "enable_thinking" and value is not None and not isinstance(value, bool):
+                raise ValueError("enable_thinking must be true, false or null")
+            base[key] = value
         s = SamplingSettings.from_dict(base)
         if not (0.0 <= s.temperature <= 10.0 and 0.0 < s.top_p <= 1.0 and s.top_k >= 0):
             raise ValueError("temperature/top_p/top_k out of range")

@@ -369,3 +369,22 @@ def test_refused_weights_keep_the_old_ones(tiny_llama):
     assert after.token_ids == before.token_ids
     assert engine.set_params(params) == 1
     engine.close()
+
+
+def test_generate_returns_early_for_waiting_requests(tiny_llama):
+    """With a request waiting, a generate call ends as soon as a slot is free for it instead of
+    running its remaining steps with that slot idle; nobody's tokens change."""
+    model, cfg, _ = tiny_llama
+    engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=8), eos_ids=())
+    prompts = prompts_for(cfg.vocab_size, lengths=(4, 6, 5), seed=14)
+    budgets = (2, 8, 2)
+    reqs = [
+        Request(prompt_ids=p, sampling=greedy(n)) for p, n in zip(prompts, budgets, strict=True)
+    ]
+    outs = engine.generate(reqs)
+    # Call 1: both slots until the first stops (2 iterations); call 2: the rest (6).
+    # Running every call to its 8 steps would take 8 + 2.
+    assert engine.stats["decode_steps"] == 2 + 6 and engine.stats["generate_calls"] == 2
+    assert [len(o.token_ids) for o in outs] == list(budgets)
+    assert_greedy(model, prompts, [o.token_ids for o in outs])
+    engine.close()

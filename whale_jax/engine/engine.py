@@ -254,6 +254,9 @@ class Engine:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join()
+        # The decode state and the store are the engine's big arrays: free them now, not when
+        # the last reference to the engine goes (stats and cache_stats stay readable).
+        self.device.state = self.device.store = None
 
     def __enter__(self):
         return self
@@ -388,18 +391,19 @@ class Engine:
             )
         )
 
-    def _fail_running(self, message: str, also: Sequence[_Job] = ()) -> None:
+    def _fail_running(self, message: str, also: Sequence[_Job] = (), *, fresh: bool = True) -> None:
         """Fails every running job and ``also`` (jobs taken from the queue whose admission may
-        not have reached a slot), after starting from an empty decode state and an empty store
-        (a failed call may have consumed the donated store, and left pins behind)."""
+        not have reached a slot), after starting (``fresh``) from an empty decode state and an
+        empty store: a failed call may have consumed the donated store, and left pins behind."""
         failed = [job for job in [*self._running, *also] if job is not None]
         for i in range(len(self._running)):
             self._running[i] = None
-        self.device.state = self.device.empty_state()
-        evictions = self._index.evictions
-        self._index = PrefixIndex(self._index.rows, block=self._index.block)
-        self._index.evictions = evictions
-        self.device.store = self.device.empty_store()
+        if fresh:
+            self.device.state = self.device.empty_state()
+            evictions = self._index.evictions
+            self._index = PrefixIndex(self._index.rows, block=self._index.block)
+            self._index.evictions = evictions
+            self.device.store = self.device.empty_store()
         for job in failed:
             if not job.future.done():
                 job.future.set_result(
@@ -412,7 +416,7 @@ class Engine:
                 )
 
     def _fail_all(self, message: str) -> None:
-        self._fail_running(message)
+        self._fail_running(message, fresh=False)  # closing: nothing will run again
         while self._queue:
             job = self._queue.popleft()
             job.future.set_result(Completion(token_ids=(), finish_reason="error", error=message))
