@@ -171,6 +171,37 @@ def save_results(results: dict, out: Path | str) -> None:
     out.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_COMPILE_S = {"total": 0.0, "listening": False}
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+    if event in _COMPILE_EVENTS:
+        _COMPILE_S["total"] += duration
+
+
+def compile_timer():
+    """A function returning the seconds JAX spent tracing, lowering and compiling since the
+    previous call (JAX's own compile events)."""
+    import jax
+
+    if not _COMPILE_S["listening"]:  # once per process: listeners cannot be told apart
+        jax.monitoring.register_event_duration_secs_listener(_count_compile)
+        _COMPILE_S["listening"] = True
+    seen = [_COMPILE_S["total"]]
+
+    def since() -> float:
+        now = _COMPILE_S["total"]
+        out, seen[0] = now - seen[0], now
+        return out
+
+    return since
+
+
 def _load() -> float:
     return round(os.getloadavg()[0], 2)
 

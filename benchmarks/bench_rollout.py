@@ -10,7 +10,8 @@ Workloads (``--tasks`` tasks x ``--samples`` samples each):
 Session runs ``--session-tasks`` tasks (its episodes are three times as long). Each runs with the
 prefix cache on and off (``EngineConfig.prefix_cache=False``: only the parked
 session states are reused, as before the cache), on a fresh engine after a warm-up pass over other
-tasks (compilations are shared). Reported: wall time, episodes/s, sampled tokens/s, prompt tokens
+tasks (compilations are shared). Reported: wall time (and the seconds of it JAX spent compiling
+shapes the warm-up did not meet), episodes/s, sampled tokens/s, prompt tokens
 requested / prefilled / unique (the size of the token trie of all prompts), prefilled per sampled
 token, slot occupancy inside generate calls and the share of wall time spent in them; beside the
 bare engine's decode rate at the same slot count and the workload's shape (every slot decoding the
@@ -31,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_model import save_results  # noqa: E402
+from benchmarks.bench_model import compile_timer, save_results  # noqa: E402
 
 VOTE = """
 SYSTEM_PROMPT = "You are a calculator. Answer with only the number."
@@ -106,8 +107,9 @@ def bare_decode_rate(model, slots: int, max_len: int, steps: int, prompt_len: in
     from whale_jax.engine import Engine, EngineConfig, Request, Sampling
 
     rng = np.random.default_rng(0)
-    engine = Engine(model, EngineConfig(slots=slots, max_len=max_len, steps=steps,
-                                        prefill_batch=16, cache_rows=0), eos_ids=())  # fmt: skip
+    # sync_timings: prefill is waited for in admission, so generate_s is decode alone.
+    engine = Engine(model, EngineConfig(slots=slots, max_len=max_len, steps=steps, prefill_batch=16,
+                                        cache_rows=0, sync_timings=True), eos_ids=())  # fmt: skip
     sampling = Sampling(temperature=1.0, top_k=20, max_new_tokens=new_tokens)
     reqs = [Request(prompt_ids=tuple(rng.integers(0, 1000, prompt_len).tolist()),
                     sampling=sampling, identity=(i,), cache=False)
@@ -137,10 +139,12 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     client = EngineClient(model, tokenizer, **options)
     engine = client.engine
     tasks = make_tasks(args.session_tasks if name == "session" else args.tasks, args.seed)
+    compiling = compile_timer()
     with Executor(client, config) as ex:
         t0 = time.perf_counter()
         records = ex.run(source, domain, tasks, samples=args.samples)
         wall = time.perf_counter() - t0
+    compile_s = compiling()  # shapes the warm-up did not meet, compiled inside the timed run
     client.close()
     calls = [c for r in records for c in r.calls]
     prompts = [tuple(c.prompt_ids) for c in calls]
@@ -155,6 +159,7 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
         "stop_reasons": dict(stops),
         "calls": len(calls),
         "wall_s": round(wall, 2),
+        "compile_s": round(compile_s, 2),
         "episodes_per_s": round(len(records) / wall, 2),
         "sampled_tokens": sampled,
         "sampled_tokens_per_s": round(sampled / wall, 1),
@@ -182,7 +187,7 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     result["bare_engine"] = {"prompt_len": median_prompt, "new_tokens": mean_new,
                              "decode_tokens_per_s": bare}  # fmt: skip
     result["sampled_over_bare"] = round(result["sampled_tokens_per_s"] / bare, 3)
-    print(f"{name:8s} cache={'on ' if cache else 'off'} {wall:7.1f} s  "
+    print(f"{name:8s} cache={'on ' if cache else 'off'} {wall:7.1f} s ({compile_s:.1f} compiling)  "
           f"{result['episodes_per_s']:6.2f} ep/s  {result['sampled_tokens_per_s']:6.1f} tok/s  "
           f"prompt {result['prompt_tokens']} req / {result['prefilled_tokens']} prefilled / "
           f"{result['unique_prompt_tokens']} unique  full hits {cache_stats['full_hits']}  "

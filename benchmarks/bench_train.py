@@ -66,6 +66,7 @@ from bench_engine import flops_per_token, load_models  # noqa: E402
 from bench_model import (  # noqa: E402
     WATCHDOG,
     bench_matmul,
+    compile_timer,
     machine_info,
     save_results,
     time_cases,
@@ -203,37 +204,6 @@ def train_flops(cfg, length: int) -> float:
     """Model FLOPs of one training token: 3x the forward matmuls (LM head included) at the mean
     causal context; remat's recomputation is not counted."""
     return 3.0 * flops_per_token(cfg, length / 2)
-
-
-_COMPILE_EVENTS = (
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration",
-)
-_COMPILE_S = {"total": 0.0, "listening": False}
-
-
-def _count_compile(event: str, duration: float, **_) -> None:
-    if event in _COMPILE_EVENTS:
-        _COMPILE_S["total"] += duration
-
-
-def compile_timer():
-    """A function returning the seconds JAX spent tracing, lowering and compiling since the
-    previous call (JAX's own compile events)."""
-    import jax
-
-    if not _COMPILE_S["listening"]:  # once per process: listeners cannot be told apart
-        jax.monitoring.register_event_duration_secs_listener(_count_compile)
-        _COMPILE_S["listening"] = True
-    seen = [_COMPILE_S["total"]]
-
-    def since() -> float:
-        now = _COMPILE_S["total"]
-        out, seen[0] = now - seen[0], now
-        return out
-
-    return since
 
 
 def bench_train_model(name: str, args, tmp: Path, matmul: dict) -> dict:

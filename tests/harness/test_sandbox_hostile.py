@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from harness.domains.arith import generate
 from tests.harness.conftest import TEST_BUDGETS, make_executor
 
 GOOD = """
@@ -145,3 +146,53 @@ def test_environment_is_scrubbed(monkeypatch):
     out = run_python("import os\nprint(sorted(os.environ))", PythonToolConfig(timeout_s=20))
     assert out["status"] == "ok"
     assert "OPENAI_API_KEY" not in out["stdout"] and "AWS_SECRET" not in out["stdout"]
+
+
+NON_FINITE_SETTINGS = body("""
+errors = []
+for settings in ({"max_new_tokens": float("inf")}, {"temperature": 1e400}, {"top_p": 10**400},
+                 {"top_k": float("inf")}, {"top_k": True}, {"temperature": float("nan")},
+                 {"max_new_tokens": 10**40}, {"stop": ["x"] * 17}, {"enable_thinking": 3}):
+    try:
+        model.chat([{"role": "user", "content": task.question}], **settings)
+        errors.append("accepted " + repr(settings))
+    except model.ModelError as e:
+        errors.append("refused")
+print(" ".join(errors))
+return model.chat([{"role": "user", "content": task.question}])
+""")
+
+
+def test_absurd_sampling_settings_are_refused_and_the_run_finishes(arith, arith_tasks):
+    """Non-finite, huge and mistyped sampling settings come back as model errors to the harness;
+    they once killed the executor's reader thread and hung the run."""
+    with make_executor() as ex:
+        records = run_beside_good(ex, arith, arith_tasks, NON_FINITE_SETTINGS)
+    assert [r.stop_reason for r in records] == ["answered"] * 2
+    assert all(r.output.strip() == " ".join(["refused"] * 9) for r in records), records[0].output
+    assert all(len(r.calls) == 1 for r in records)  # only the sane call reached the model
+
+
+# A harness that reaches its worker's channel (possible with the Python-level layers off) and
+# writes frames of its own: every one must end the episode with a recorded reason, never hang.
+FORGED = body("""
+import random
+chan = model._worker.chan
+rng = random.Random(task.id)
+values = [None, True, -1, 10**400, 1e400, float("nan"), "x" * 5000, [], {}, [1, [2, [3]]],
+          {"t": "chat"}, "chat", "done", "tool", "ready", "load_error"]
+frame = {k: rng.choice(values) for k in ("t", "ep", "rid", "messages", "settings", "name",
+                                          "args", "kwargs", "kind", "answer", "output", "error")}
+frame["t"] = rng.choice(["chat", "tool", "done", "ready", "load_error", "bogus", 7])
+chan.send(frame)
+return model.chat([{"role": "user", "content": task.question}])
+""")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_forged_frames_never_hang_the_executor(arith, seed):
+    tasks = generate(6, seed=100 + seed)
+    with make_executor(static_check=False) as ex:
+        records = ex.run(FORGED, arith, tasks, run_id=f"forged{seed}")
+    assert len(records) == len(tasks)
+    assert all(r.stop_reason for r in records), [r.stop_reason for r in records]

@@ -70,8 +70,7 @@ class PrefixIndex:
         """The longest entry a request for ``prompt`` can continue from: its key is a proper
         prefix of the prompt, or the whole prompt with its logits kept. Marks it recently used."""
         n = len(prompt)
-        for length in sorted((k for k, keys in self._by_len.items() if keys and k <= n),
-                             reverse=True):  # fmt: skip
+        for length in sorted((k for k in self._by_len if k <= n), reverse=True):
             key = prompt if length == n else prompt[:length]
             entry = self._entries.get(key)
             if entry is not None and (length < n or entry.logits):
@@ -167,7 +166,10 @@ class PrefixIndex:
     def _remove(self, key: Tokens) -> None:
         entry = self._entries.pop(key)
         self._hot -= entry.hot
-        self._by_len[len(key)].discard(key)
+        same_length = self._by_len[len(key)]
+        same_length.discard(key)
+        if not same_length:
+            del self._by_len[len(key)]
         b = self.block
         for depth in range(b, len(key) + 1, b):
             prefix = key[:depth]
