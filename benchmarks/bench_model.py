@@ -61,8 +61,24 @@ CHUNK = 64
 # shared cores. Qwen3.5: the real 3:1 linear:full pattern, heads scaled with the width (2B: hidden
 # 2048, 16 GDN heads of 128, 8 attention heads of 256 sharing 2 kv heads; here hidden 256, 2 GDN
 # heads of 128 (the real head dims), 2 attention heads of 128 sharing one kv head).
-QWEN3_5_SMALL = {
+# What every Qwen3.5 text model shares (the real GDN head dims, conv width, RoPE, norms, tying).
+QWEN3_5_FAMILY = {
     "model_type": "qwen3_5_text",
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+}
+QWEN3_5_SMALL = {
+    **QWEN3_5_FAMILY,
     "vocab_size": 16384,
     "hidden_size": 256,
     "intermediate_size": 768,
@@ -73,19 +89,7 @@ QWEN3_5_SMALL = {
     "head_dim": 128,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 2,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
     "max_position_embeddings": 4096,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.25,
-    },
-    "attention_bias": False,
-    "tie_word_embeddings": True,
 }
 LLAMA_SMALL = {
     "model_type": "llama",

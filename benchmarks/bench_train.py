@@ -64,6 +64,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_engine import flops_per_token, load_models  # noqa: E402
 from bench_model import (  # noqa: E402
+    QWEN3_5_FAMILY,
     WATCHDOG,
     bench_matmul,
     compile_timer,
@@ -88,23 +89,11 @@ AOT_RESULTS = REPO / "benchmarks" / "results" / "train_aot.json"
 # search, repository not identified), so those counts are the least certain numbers here.
 # The multi-token-prediction layer (mtp_num_hidden_layers 1) is not part of our model.
 _QWEN3_5_COMMON = {
-    "model_type": "qwen3_5_text",
+    **QWEN3_5_FAMILY,
     "vocab_size": 248320,
     "head_dim": 256,
     "full_attention_interval": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
     "max_position_embeddings": 262144,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.25,
-    },
-    "attention_bias": False,
-    "tie_word_embeddings": True,
 }
 QWEN3_5_2B = {
     **_QWEN3_5_COMMON,

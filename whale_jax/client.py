@@ -103,7 +103,8 @@ class EngineClient:
                     raise ValueError("no messages")
                 text = self.format.render(messages, enable_thinking=s.enable_thinking)
                 prompt = self.encode(text)
-                snapshots = self._boundaries(messages, text, prompt, s.enable_thinking)
+                if self.engine.config.prefix_cache:  # otherwise the engine keeps no snapshots
+                    snapshots = self._boundaries(messages, text, prompt, s.enable_thinking)
         except Exception as e:  # a template that cannot render these messages fails this call only
             return ChatResult(text="", raw_text="", finish_reason="error", error=f"render: {e}")
         if request.max_prompt_tokens is not None and len(prompt) > request.max_prompt_tokens:

@@ -84,6 +84,11 @@ class _Job:
     reused: int = 0
 
 
+def _kept(entry: Entry | None) -> int:
+    """Prompt tokens already computed when continuing from ``entry`` (None: from scratch)."""
+    return 0 if entry is None else len(entry.key)
+
+
 @dataclasses.dataclass
 class _Plan:
     """A request's way through admission: the kept state it continues from (pinned) and the
@@ -95,7 +100,7 @@ class _Plan:
 
     @property
     def have(self) -> int:
-        return 0 if self.start is None else len(self.start.key)
+        return _kept(self.start)
 
 
 @dataclasses.dataclass
@@ -110,7 +115,7 @@ class _Segment:
 
     @property
     def have(self) -> int:
-        return 0 if self.start is None else len(self.start.key)
+        return _kept(self.start)
 
     @property
     def continuing(self) -> bool:
