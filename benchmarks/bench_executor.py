@@ -40,10 +40,10 @@ def run(task, model, tools):
 """
 
 
-def measure(episodes: int, calls: int, workers: int) -> dict[str, float]:
+def measure(episodes: int, calls: int) -> dict[str, float]:
     backend = ScriptedBackend(lambda request: "42")
     budgets = Budgets(model_calls=calls + 1, turns=calls + 1, assistant_tokens=10 * calls + 10)
-    config = ExecutorConfig(workers=workers, concurrency=-(-episodes // workers), budgets=budgets)
+    config = ExecutorConfig(concurrency=episodes, budgets=budgets)
     tasks = generate(episodes, seed=0)
     with Executor(backend, config) as ex:
         ex.run(HARNESS.format(calls=1), ArithDomain(), tasks[:1])  # warm imports, page cache
@@ -59,7 +59,6 @@ def measure(episodes: int, calls: int, workers: int) -> dict[str, float]:
     q = statistics.quantiles(waits_us, n=100)
     return {
         "episodes": episodes,
-        "workers": workers,
         "calls": n,
         "wall_s": round(wall, 3),
         "calls_per_s": round(n / wall, 1),
@@ -75,12 +74,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=50, help="model calls per episode")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/executor.json")
     args = parser.parse_args()
     rows = []
     for episodes in args.concurrency:
-        row = measure(episodes, args.calls, args.workers)
+        row = measure(episodes, args.calls)
         rows.append(row)
         print(
             f"{episodes:4d} episodes  {row['calls_per_s']:9.1f} calls/s  "

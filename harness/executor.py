@@ -1,16 +1,16 @@
-"""The sandboxed executor: runs a harness over tasks in fresh worker processes and returns one
+"""The sandboxed executor: runs a harness over tasks, one jailed process per episode, and returns one
 EpisodeRecord per (task, sample).
 
-Main-process side (trusted): budgets, model calls (``ChatBackend.chat`` from a thread pool), tools,
-timeouts, answer checks and verifiers. Worker side (untrusted harness code): harness.worker.
+Trusted side (this process): budgets and sessions (``harness.sessions``), model calls
+(``ChatBackend.chat`` from a thread pool), tools (``Domain`` envs), timeouts, scoring and prompt
+audits (``harness.audits``). Untrusted side: one zygote per run (``harness.zygote``, started and
+watched by ``harness.procs``) that forks one jailed process per episode (``harness.worker``).
 
-Containment of failures: an exception, a sandbox violation, a memory error or too much output costs
-only its episode. A hang (no request for ``Budgets.step_s``) or an episode over ``Budgets.wall_s``
-kills its worker; the culprit is recorded and the innocent episodes that died with it run again in a
-fresh worker. A worker that dies without a known culprit (a signal, a C-level crash) has its
-in-flight episodes split in two halves, each re-run in its own worker; a half that dies again is
-split again, so a deterministic bomb is isolated in log2(in-flight) rounds and is the only episode
-charged. A harness that fails to load costs the whole candidate.
+One event loop per run reads every episode's channel (``selectors``); model and tool calls run in
+pools and answer on the episode's channel. Every frame is checked against ``harness.ipc``'s
+tables; a bad frame, a hang, a crash or a runaway costs only its episode, and the run always
+finishes. Episodes share nothing: a fresh process per episode, forked from a zygote that never
+ran harness code.
 """
 
 from __future__ import annotations
@@ -19,175 +19,97 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
-import math
-import os
-import re
-import shutil
-import signal
+import queue
+import selectors
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from harness import sandbox
+from harness import audits, ipc, jail, sandbox
 from harness.budgets import Budgets
 from harness.domains.base import Domain, EpisodeContext, Task, ToolError
-from harness.ipc import Channel
 from harness.model_api import ChatBackend, ChatRequest, ChatResult, RngKey, SamplingSettings
+from harness.procs import LoadError, SandboxUnavailable, Zygote
 from harness.records import EpisodeRecord, ModelCallRecord, ToolCallRecord
+from harness.sessions import Ledger, Refused, check_messages, check_settings
 from harness.static_check import check_source
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_BOOT = "import sys; sys.path.insert(0, sys.argv[2]); from harness.worker import main; main()"
-_ROLES = frozenset({"system", "user", "assistant", "tool"})
-_SETTINGS = frozenset(
-    {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "enable_thinking"}
-)
-_MAX_RERUNS = 4
+__all__ = ["Executor", "ExecutorConfig", "SandboxUnavailable", "gold_in_prompts"]
+gold_in_prompts = audits.gold_in_prompts
+
+_MAX_ZYGOTE_RESTARTS = 3
 _FAILURES = frozenset(
     {"static_check", "harness_load", "sandbox_violation", "output_limit", "memory_limit", "error",
-     "timeout", "worker_died", "answer_not_in_completion"}
+     "timeout", "worker_died", "protocol_error", "answer_not_in_completion"}
 )  # fmt: skip
+_DONE_STOP = {
+    "violation": "sandbox_violation",
+    "output_limit": "output_limit",
+    "memory": "memory_limit",
+    "exception": "error",
+    "load": "harness_load",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExecutorConfig:
-    workers: int = 1  # pool workers per harness run
-    concurrency: int = 64  # episodes in flight per worker (one thread each)
+    concurrency: int = 64  # episodes in flight per run (one process each)
     limits: sandbox.Limits = sandbox.Limits()
     budgets: Budgets | None = None  # None: the domain's defaults
     default_settings: SamplingSettings = SamplingSettings()
     run_seed: int = 0
     step: int = 0
     load_timeout_s: float = 60.0
-    static_check: bool = True  # off only in tests of the second line of defence
+    sandbox: jail.Policy = jail.Policy()
+    # The Python-level layers: static check, audit hook, restricted builtins and module facades.
+    # Off only in tests that show the OS layer holds alone.
+    python_layers: bool = True
     max_frame_bytes: int = 4 << 20
     backend_threads: int = 512
     tool_threads: int = 4
     poll_s: float = 0.05
+    send_timeout_s: float = 10.0  # an episode that does not read its replies for this long dies
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.concurrency <= 4000:
+            raise ValueError(f"concurrency {self.concurrency}: expected 1 to 4000")
 
 
 class _Ep:
+    """One (task, sample): its record and, while it runs, its process's channel."""
+
     def __init__(self, key: str, task: Task, sample: int, domain: Domain):
         self.key, self.task, self.sample = key, task, sample
         self.record = EpisodeRecord(task_id=task.id, domain=domain.name, sample_index=sample)
-        self.state = "pending"  # pending | running | suspect | done
+        self.state = "pending"  # pending | running | done
         self.attempt = 0
-        self.reset(domain)
+        self.sock: socket.socket | None = None
+        self.decoder: ipc.FrameDecoder | None = None
+        self.send_lock = threading.Lock()
+        self.exit_reason: str | None = None
+        self.eof_at: float | None = None
+        self.pid = 0
+        self.started = time.monotonic()
 
-    def reset(self, domain: Domain) -> None:
-        reruns = self.record.reruns
+    def reset(self, domain: Domain, budgets: Budgets, run_id: str) -> None:
+        reruns = self.record.reruns + (1 if self.attempt else 0)
+        self.attempt += 1
         self.record = EpisodeRecord(
             task_id=self.task.id, domain=domain.name, sample_index=self.sample, reruns=reruns
         )
         self.env = domain.new_env(self.task)
-        self.ctx: EpisodeContext | None = None
-        self.sessions: list[dict[str, Any]] = []
-        self.assistant_tokens = 0
-        self.budget_stop: str | None = None
-        self.refusals = 0
+        self.ctx = EpisodeContext(budgets=budgets)
+        self.ledger = Ledger(budgets=budgets, session_prefix=f"{run_id}/{self.key}/a{self.attempt}")
         self.waiting = 0
         self.started = self.busy_since = time.monotonic()
-        self.worker: _Worker | None = None
-
-
-class _Worker:
-    def __init__(self, kind: str):
-        self.kind = kind  # pool | group
-        self.eps: dict[str, _Ep] = {}
-        self.ready = False
-        self.retiring = False
-        self.dead = False
-        self.culprit: tuple[_Ep, str, str] | None = None  # (episode, stop_reason, error)
-        self.protections: dict[str, str] = {}
-        self.spawned = time.monotonic()
-        self.workdir = tempfile.mkdtemp(prefix="whale-worker-")
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.chan: Channel | None = None
-
-    def send(self, msg: dict[str, Any]) -> None:
-        try:
-            assert self.chan is not None
-            self.chan.send(msg)
-        except OSError:
-            pass  # the reader thread notices the death
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                self.proc.kill()
-
-
-_SIGNAL_MEANING = {
-    "SIGXCPU": " (CPU-time limit)",
-    "SIGXFSZ": " (file-size limit)",
-    "SIGSEGV": " (crash)",
-    "SIGABRT": " (abort)",
-}
-
-
-def _describe_exit(rc: int | None) -> str:
-    if rc is None:
-        return "unknown exit"
-    if rc < 0:
-        try:
-            name = signal.Signals(-rc).name
-        except ValueError:
-            return f"killed by signal {-rc}"
-        return f"killed by {name}" + _SIGNAL_MEANING.get(name, "")
-    return f"exit code {rc}"
-
-
-def _string_leaves(value: Any, out: list[str]) -> None:
-    if isinstance(value, str):
-        out.append(value)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _string_leaves(v, out)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _string_leaves(v, out)
-
-
-def gold_in_prompts(record: EpisodeRecord, question: str, golds: list[str]) -> bool:
-    """Does harness-written prompt text contain a gold answer? Assistant messages, the task's
-    question, tool results and completions of earlier calls are removed first: only what the
-    harness itself wrote is audited. Golds shorter than 2 characters are skipped (they occur in any
-    text)."""
-    patterns = [
-        re.compile(r"(?<![\w.])" + re.escape(g.strip()) + r"(?!\w)")
-        for g in golds
-        if len(g.strip()) >= 2
-    ]
-    if not patterns:
-        return False
-    known = [question]
-    for t in record.tool_calls:
-        _string_leaves(t.result, known)
-    for i, call in enumerate(record.calls):
-        earlier = [c.text for c in record.calls[:i]] + [c.raw_text for c in record.calls[:i]]
-        removable = sorted({r for r in known + earlier if r}, key=len, reverse=True)
-        for m in call.messages:
-            if m.get("role") == "assistant":
-                continue
-            text = m.get("content", "")
-            for r in removable:
-                if r in text:
-                    text = text.replace(r, " ")
-            if any(p.search(text) for p in patterns):
-                return True
-    return False
+        self.exit_reason, self.eof_at = None, None
 
 
 class Executor:
-    """Runs harness source over tasks. One Executor serves many runs (and concurrent runs from
-    several threads: each run has its own workers, so one candidate's bomb costs no other)."""
+    """Runs harness source over tasks. One Executor serves many runs, also concurrently from
+    several threads (harness-search candidates): each run has its own zygote."""
 
     def __init__(self, backend: ChatBackend, config: ExecutorConfig = ExecutorConfig()):
         self.backend = backend
@@ -222,7 +144,8 @@ class Executor:
         step: int | None = None,
     ) -> list[EpisodeRecord]:
         """One record per (task, sample), in task-major order. ``step`` (default: the config's)
-        goes into every request's RNG identity: the RSFT step, so each step samples afresh."""
+        goes into every request's RNG identity: the RSFT step, so each step samples afresh.
+        Raises SandboxUnavailable when the machine refuses a protection the policy requires."""
         r = _Run(self, source, domain, tasks, samples, run_id)
         r.step = self.config.step if step is None else int(step)
         before = self._backend_stats()
@@ -256,377 +179,289 @@ class _Run:
             for s in range(samples)
         ]
         self.pending: collections.deque[_Ep] = collections.deque(self.eps)
-        self.groups: collections.deque[list[_Ep]] = collections.deque()
-        self.workers: list[_Worker] = []
+        self.running: dict[str, _Ep] = {}
         self.lock = threading.RLock()
-        self.changed = threading.Condition(self.lock)
+        self.events: queue.SimpleQueue[tuple[Zygote, str, dict[str, Any]]] = queue.SimpleQueue()
+        self.sel = selectors.DefaultSelector()
         self.remaining = len(self.eps)
-        self.failed: tuple[str, str] | None = None
         self.protections: dict[str, str] = {}
+        self.zygote: Zygote | None = None
+        self.zygote_restarts = 0
 
     # ---- driver -------------------------------------------------------------------------------
 
     def execute(self) -> list[EpisodeRecord]:
-        if self.cfg.static_check:
+        if self.cfg.python_layers:
             violations = check_source(self.source, allowed_imports=self.domain.allowed_imports)
             if violations:
                 self.fail_all("static_check", "; ".join(str(v) for v in violations[:20]))
                 return [e.record for e in self.eps]
         try:
-            with self.lock:
+            if self.new_zygote():
                 while self.remaining > 0:
-                    self.schedule()
+                    self.admit()
+                    for key, _ in self.sel.select(self.cfg.poll_s):
+                        self.read(key.data)
+                    self.drain_events()
                     self.check_deadlines()
-                    self.changed.wait(self.cfg.poll_s)
         finally:
             with self.lock:
-                workers = list(self.workers)
-            for w in workers:
-                w.send({"t": "exit"})
-            for w in workers:
-                self.reap(w, grace_s=1.0)
+                for ep in list(self.running.values()):
+                    self.detach(ep)
+            if self.zygote is not None:
+                self.zygote.close()
+            self.sel.close()
         return [e.record for e in self.eps]
 
-    def schedule(self) -> None:
-        live = [w for w in self.workers if not w.dead]
-        pool = [w for w in live if w.kind == "pool" and not w.retiring]
-        if self.pending and len(pool) < self.cfg.workers:
-            self.spawn("pool", [])
-        while self.groups and len(live) < self.cfg.workers + 2:
-            self.spawn("group", self.groups.popleft())
-            live = [w for w in self.workers if not w.dead]
+    def new_zygote(self) -> bool:
+        """Start the run's zygote and wait for its load check; False when the candidate failed."""
+        z = Zygote(
+            "harness",
+            policy=self.cfg.sandbox,
+            limits=self.cfg.limits,
+            max_children=self.cfg.concurrency,
+            on_event=lambda kind, msg: self.events.put((z, kind, msg)),
+            source=self.source,
+            allowed_imports=tuple(self.domain.allowed_imports),
+            tools=tuple(self.domain.tool_names),
+            python_layers=self.cfg.python_layers,
+            max_frame_bytes=self.cfg.max_frame_bytes,
+        )
+        self.zygote = z
+        layers = ("static check, audit hook, restricted builtins, module facades"
+                  if self.cfg.python_layers else "off (test switch)")  # fmt: skip
+        try:
+            self.protections = {**z.wait_ready(self.cfg.load_timeout_s), "python_layers": layers}
+        except LoadError as e:
+            self.protections = {**e.protections, "python_layers": layers}
+            stop = "sandbox_violation" if e.violation else "harness_load"
+            self.fail_all(stop, e.error[-4000:])
+            return False
+        except TimeoutError as e:
+            self.fail_all("harness_load", f"harness: {e}")
+            return False
+        except SandboxUnavailable:
+            raise
+        return True
+
+    def admit(self) -> None:
+        z = self.zygote
+        while self.pending and len(self.running) < self.cfg.concurrency and z and not z.dead:
+            ep = self.pending.popleft()
+            with self.lock:
+                ep.reset(self.domain, self.budgets, self.run_id)
+                parent, child = socket.socketpair()
+                parent.settimeout(self.cfg.send_timeout_s)
+                ep.sock, ep.decoder = parent, ipc.FrameDecoder(self.cfg.max_frame_bytes)
+                ep.state = "running"
+                self.running[ep.key] = ep
+                self.sel.register(parent, selectors.EVENT_READ, ep)
+            try:
+                z.start(ep.key, {"task": self.domain.public_view(ep.task)}, (child.fileno(),))
+            except OSError:
+                pass  # the zygote is gone: drain_events requeues
+            finally:
+                child.close()
+
+    def read(self, ep: _Ep) -> None:
+        assert ep.sock is not None and ep.decoder is not None
+        try:
+            data = ep.sock.recv(1 << 16)
+        except (BlockingIOError, TimeoutError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            with self.lock:
+                self.on_eof(ep)
+            return
+        try:
+            frames = ep.decoder.feed(data)
+            for frame in frames:
+                kind = ipc.check(frame, ipc.EPISODE_TO_EXECUTOR)
+                with self.lock:
+                    if ep.state != "running":
+                        return
+                    getattr(self, f"on_{kind}")(ep, frame)
+        except ipc.FrameError as e:
+            with self.lock:
+                self.kill(ep, "protocol_error", f"protocol: {e}"[:500])
+        except Exception as e:  # a frame the trusted side could not take costs its episode
+            with self.lock:
+                self.kill(ep, "protocol_error", f"protocol: {type(e).__name__}: {e}"[:500])
+
+    def drain_events(self) -> None:
+        while True:
+            try:
+                z, kind, msg = self.events.get_nowait()
+            except queue.Empty:
+                break
+            if z is not self.zygote:
+                continue  # an earlier zygote of this run: its episodes were requeued
+            with self.lock:
+                if kind == "started":
+                    ep = self.running.get(msg["key"])
+                    if ep is not None:
+                        ep.pid = msg["pid"]
+                elif kind == "exited":
+                    ep = self.running.get(msg["key"])
+                    if ep is not None:
+                        ep.exit_reason = msg["reason"]
+                        if ep.eof_at is not None:
+                            self.finish(
+                                ep, "worker_died", error=f"episode process {ep.exit_reason}"
+                            )
+                elif kind == "dead":
+                    self.on_zygote_death(msg["reason"])
+        now = time.monotonic()
+        with self.lock:
+            for ep in list(self.running.values()):
+                if ep.eof_at is not None and now - ep.eof_at > 5.0:
+                    self.finish(ep, "worker_died", error="episode process closed its channel")
+
+    def on_zygote_death(self, reason: str) -> None:
+        if self.remaining == 0:
+            return
+        inflight = list(self.running.values())
+        for ep in inflight:
+            self.detach(ep)
+            ep.state = "pending"
+            self.pending.appendleft(ep)
+        self.zygote_restarts += 1
+        if self.zygote_restarts > _MAX_ZYGOTE_RESTARTS:
+            self.fail_all(
+                "worker_died", f"sandbox zygote died {self.zygote_restarts} times: {reason}"
+            )
+            return
+        assert self.zygote is not None
+        self.zygote.close(grace_s=0.0)
+        self.new_zygote()
 
     def check_deadlines(self) -> None:
         now = time.monotonic()
-        for w in self.workers:
-            if w.dead or w.culprit is not None:
-                continue
-            if not w.ready:
-                if now - w.spawned > self.cfg.load_timeout_s:
-                    self.fail_all("harness_load", f"not ready after {self.cfg.load_timeout_s:.0f}s")
-                    w.kill()
-                continue
-            for ep in w.eps.values():
-                if ep.waiting == 0 and now - ep.busy_since > self.budgets.step_s:
-                    msg = f"no request for {self.budgets.step_s:.1f}s (hang or long computation)"
-                    w.culprit = (ep, "timeout", msg)
-                elif now - ep.started > self.budgets.wall_s:
-                    w.culprit = (ep, "timeout", f"episode over {self.budgets.wall_s:.1f}s")
-                else:
+        b = self.budgets
+        with self.lock:
+            for ep in list(self.running.values()):
+                if ep.eof_at is not None:
                     continue
-                w.kill()
-                break
+                if ep.waiting == 0 and now - ep.busy_since > b.step_s:
+                    msg = f"no request for {b.step_s:.1f}s (hang or long computation)"
+                    self.kill(ep, "timeout", msg)
+                elif now - ep.started > b.wall_s:
+                    self.kill(ep, "timeout", f"episode over {b.wall_s:.1f}s")
 
-    # ---- workers ------------------------------------------------------------------------------
+    # ---- episode lifecycle ---------------------------------------------------------------------
 
-    def spawn(self, kind: str, group: list[_Ep]) -> None:
-        w = _Worker(kind)
-        for ep in group:
-            ep.state = "pending"
-            w.eps[ep.key] = ep
-        self.workers.append(w)
-        parent, child = socket.socketpair()
-        with open(os.path.join(w.workdir, "harness.py"), "w", encoding="utf-8") as f:
-            f.write(self.source)
-        log = open(os.path.join(w.workdir, "worker.log"), "wb")  # C-level output; FSIZE-capped
-        try:
-            w.proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _BOOT, str(child.fileno()), _ROOT],
-                pass_fds=(child.fileno(),),
-                cwd=w.workdir,
-                env=sandbox.scrubbed_env(w.workdir),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                close_fds=True,
-            )
-        finally:
-            child.close()
-            log.close()
-        w.chan = Channel(parent, max_frame=self.cfg.max_frame_bytes)
-        w.send(
-            {
-                "t": "init",
-                "source": self.source,
-                "allowed_imports": sorted(self.domain.allowed_imports),
-                "tools": list(self.domain.tool_names),
-                "concurrency": self.cfg.concurrency if kind == "pool" else len(group),
-                "limits": self.cfg.limits.to_dict(),
-                "max_frame_bytes": self.cfg.max_frame_bytes,
-            }
-        )
-        threading.Thread(target=self.read, args=(w,), name="worker-reader", daemon=True).start()
-
-    def read(self, w: _Worker) -> None:
-        assert w.chan is not None
-        handlers = {
-            "chat": self.on_chat,
-            "tool": self.on_tool,
-            "done": self.on_done,
-            "ready": self.on_ready,
-            "load_error": self.on_load_error,
-        }
-        reason = ""
-        try:
-            while True:
-                try:
-                    msg = w.chan.recv()
-                except EOFError:
-                    break
-                except Exception as e:  # FrameError, OSError, anything a hostile peer provokes
-                    reason = f"protocol: {type(e).__name__}: {e}"[:500]
-                    break
-                handler = handlers.get(msg.get("t", "")) if isinstance(msg.get("t"), str) else None
-                if handler is None:
-                    reason = f"protocol: unknown message {str(msg.get('t'))[:40]!r}"
-                    break
-                try:
-                    handler(w, msg)
-                except Exception as e:  # a frame the handler could not take fails this worker
-                    reason = (f"protocol: malformed {str(msg.get('t'))[:40]!r} message "
-                              f"({type(e).__name__}: {str(e)[:200]})")  # fmt: skip
-                    break
-        finally:  # whatever happened above, the worker is killed, reaped and its episodes settled
-            if reason:
-                w.kill()
-            self.on_death(w, reason)
-
-    def reap(self, w: _Worker, grace_s: float = 0.0) -> str:
-        rc = None
-        if w.proc is not None:
+    def detach(self, ep: _Ep) -> None:
+        """Stop listening to an episode and make sure its process is gone."""
+        self.running.pop(ep.key, None)
+        if ep.sock is not None:
             try:
-                rc = w.proc.wait(timeout=grace_s) if grace_s else w.proc.poll()
-            except subprocess.TimeoutExpired:
-                rc = None
-            if rc is None:
-                w.kill()
-                rc = w.proc.wait()
-        if w.chan is not None:
-            w.chan.close()
-        shutil.rmtree(w.workdir, ignore_errors=True)
-        return _describe_exit(rc)
+                self.sel.unregister(ep.sock)
+            except (KeyError, ValueError):
+                pass
+            ep.sock.close()
+            ep.sock = None
+            if self.zygote is not None and ep.exit_reason is None:
+                self.zygote.stop(ep.key)
 
-    def on_ready(self, w: _Worker, msg: dict[str, Any]) -> None:
-        with self.lock:
-            w.ready = True
-            w.protections = {str(k): str(v) for k, v in dict(msg.get("protections", {})).items()}
-            self.protections = w.protections
-            if w.kind == "group":
-                for ep in list(w.eps.values()):
-                    self.start(w, ep)
-            else:
-                self.feed(w)
+    def kill(self, ep: _Ep, stop: str, error: str) -> None:
+        self.finish(ep, stop, error=error)
 
-    def on_load_error(self, w: _Worker, msg: dict[str, Any]) -> None:
-        with self.lock:
-            reason = "sandbox_violation" if msg.get("violation") else "harness_load"
-            self.fail_all(reason, str(msg.get("error"))[-4000:])
+    def on_eof(self, ep: _Ep) -> None:
+        if ep.state != "running":
+            return
+        if ep.exit_reason is not None:
+            self.finish(ep, "worker_died", error=f"episode process {ep.exit_reason}")
+            return
+        ep.eof_at = time.monotonic()
+        if ep.sock is not None:
+            try:
+                self.sel.unregister(ep.sock)
+            except (KeyError, ValueError):
+                pass
+        if self.zygote is not None:
+            self.zygote.stop(ep.key)  # its reason arrives as "exited"
 
-    def feed(self, w: _Worker) -> None:
-        while self.pending and len(w.eps) < self.cfg.concurrency and not w.dead:
-            self.start(w, self.pending.popleft())
-        if not w.eps and not self.pending and not w.retiring:
-            w.retiring = True
-            w.send({"t": "exit"})
-
-    def start(self, w: _Worker, ep: _Ep) -> None:
-        if ep.attempt:
-            ep.record.reruns += 1
-        ep.attempt += 1
-        ep.reset(self.domain)
-        ep.ctx = EpisodeContext(budgets=self.budgets)
-        ep.state, ep.worker = "running", w
-        w.eps[ep.key] = ep
-        w.send({"t": "episode", "ep": ep.key, "task": self.domain.public_view(ep.task)})
-
-    def on_death(self, w: _Worker, reason: str) -> None:
-        exit_text = self.reap(w, grace_s=2.0)
-        with self.lock:
-            w.dead = True
-            inflight = [e for e in w.eps.values() if e.state in ("running", "pending")]
-            w.eps.clear()
-            if self.failed is not None or not inflight:
-                self.changed.notify_all()
+    def send(self, ep: _Ep, attempt: int, msg: dict[str, Any]) -> None:
+        """Answer an episode (from any thread). One that does not read its replies dies."""
+        frame = ipc.encode(msg)
+        with ep.send_lock:
+            sock = ep.sock
+            if sock is None or ep.attempt != attempt:
                 return
-            if not w.ready:
-                self.fail_all("harness_load", f"worker died before loading: {reason or exit_text}")
+            try:
+                sock.sendall(frame)
                 return
-            if w.culprit is not None:
-                culprit, stop, error = w.culprit
-                self.finish(culprit, stop, error=error)
-                for ep in inflight:
-                    if ep is not culprit:
-                        self.requeue(ep, "worker killed for another episode")
-            elif len(inflight) == 1:
-                self.finish(inflight[0], "worker_died", error=reason or exit_text)
-            else:
-                half = len(inflight) // 2
-                for part in (inflight[:half], inflight[half:]):
-                    for ep in part:
-                        ep.state = "suspect"
-                    self.groups.append(part)
-            self.changed.notify_all()
-
-    def requeue(self, ep: _Ep, why: str) -> None:
-        if ep.attempt > _MAX_RERUNS:
-            self.finish(ep, "worker_died", error=f"{why}; gave up after {ep.attempt} attempts")
-        else:
-            ep.state = "pending"
-            self.pending.appendleft(ep)
-
-    def fail_all(self, stop: str, error: str) -> None:
-        """The candidate itself failed (static check, load): every episode carries the reason."""
+            except (OSError, TimeoutError):
+                pass
         with self.lock:
-            if self.failed is None:
-                self.failed = (stop, error)
-            self.pending.clear()
-            self.groups.clear()
-            for ep in self.eps:
-                if ep.state != "done":
-                    self.finish(ep, stop, error=error)
-            for w in self.workers:
-                w.kill()
+            if ep.attempt == attempt and ep.state == "running" and ep.eof_at is None:
+                self.kill(
+                    ep,
+                    "timeout",
+                    f"episode did not read its replies for {self.cfg.send_timeout_s:.0f}s",
+                )
+
+    def reply_error(self, ep: _Ep, rid: int, kind: str, error: str) -> None:
+        self.send(
+            ep,
+            ep.attempt,
+            {"t": "reply", "rid": rid, "ok": False, "kind": kind, "error": error[:8000]},
+        )
+
+    def refuse(self, ep: _Ep, rid: int, refused: Refused) -> None:
+        if ep.ledger.refuse(refused):  # a harness that ignores refusals is a runaway: stop it
+            self.kill(
+                ep, f"budget:{refused.budget}", f"kept calling after refusal: {refused.detail}"
+            )
+            return
+        self.reply_error(ep, rid, "budget", refused.detail)
 
     # ---- requests from harness code ------------------------------------------------------------
 
-    def lookup(self, w: _Worker, msg: dict[str, Any]) -> _Ep | None:
-        ep = w.eps.get(str(msg.get("ep")))
-        return ep if ep is not None and ep.state == "running" else None
-
-    def refuse(self, w: _Worker, ep: _Ep, rid: Any, budget: str, detail: str) -> None:
-        ep.budget_stop = ep.budget_stop or f"budget:{budget}"
-        ep.refusals += 1
-        if ep.refusals > 3:  # a harness that ignores refusals is a runaway: stop it here
-            w.culprit = (ep, f"budget:{budget}", f"kept calling after refusal: {detail}")
-            w.kill()
-            return
-        w.send({"t": "reply", "rid": rid, "ok": False, "kind": "budget", "error": detail})
-
-    def on_chat(self, w: _Worker, msg: dict[str, Any]) -> None:
+    def on_chat(self, ep: _Ep, msg: dict[str, Any]) -> None:
         rid = msg["rid"]
-        with self.lock:
-            ep = self.lookup(w, msg)
-            if ep is None:
-                return
-            b, rec = self.budgets, ep.record
-            messages = msg.get("messages")
-            if not (
-                isinstance(messages, list)
-                and messages
-                and all(
-                    isinstance(m, dict)
-                    and m.get("role") in _ROLES
-                    and isinstance(m.get("content"), str)
-                    for m in messages
-                )
-            ):
-                error = "messages must be a non-empty list of {'role', 'content'} dicts"
-                w.send({"t": "reply", "rid": rid, "ok": False, "kind": "model", "error": error})
-                return
-            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-            try:
-                settings = self.settings(msg.get("settings") or {}, b, ep)
-            except (TypeError, ValueError, ArithmeticError) as e:
-                w.send({"t": "reply", "rid": rid, "ok": False, "kind": "model",
-                        "error": f"bad sampling settings: {e}"})  # fmt: skip
-                return
-            if len(rec.calls) >= b.model_calls:
-                return self.refuse(w, ep, rid, "model_calls", f"{b.model_calls} calls used")
-            if settings.max_new_tokens <= 0:
-                return self.refuse(w, ep, rid, "assistant_tokens", f"{b.assistant_tokens} used")
-            if sum(len(m["content"]) for m in messages) > 64 * b.prompt_tokens:
-                return self.refuse(w, ep, rid, "prompt_tokens", "prompt far over the budget")
-            session = next(
-                (
-                    s
-                    for s in ep.sessions
-                    if len(messages) > len(s["prefix"])
-                    and messages[: len(s["prefix"])] == s["prefix"]
-                ),
-                None,
-            )
-            if session is not None and session["turns"] >= b.turns:
-                return self.refuse(w, ep, rid, "turns", f"{b.turns} turns used")
-            if session is None:
-                session = {"id": f"{self.run_id}/{ep.key}/a{ep.attempt}/s{len(ep.sessions)}",
-                           "prefix": [], "turns": 0}  # fmt: skip
-                ep.sessions.append(session)
-            call_index = len(rec.calls)
-            call = ModelCallRecord(
-                call_index=call_index,
-                session_id=session["id"],
-                messages=messages,
-                settings=settings.to_dict(),
-                train=bool(msg.get("train", True)),
-            )
-            rec.calls.append(call)
-            session["turns"] += 1
-            rec.turns = max(rec.turns, session["turns"])
-            ep.waiting += 1
-            request = ChatRequest(
-                episode_id=f"{self.run_id}/{ep.key}",
-                session_id=session["id"],
-                messages=tuple(messages),
-                settings=settings,
-                train=call.train,
-                rng=RngKey(
-                    run_seed=self.cfg.run_seed,
-                    step=self.step,
-                    task_id=ep.task.id,
-                    sample_index=ep.sample,
-                    call_index=call_index,
-                ),
-                max_prompt_tokens=b.prompt_tokens,
-            )
-            attempt = ep.attempt
-        self.ex._calls.submit(self.call_model, w, ep, attempt, rid, request, call, session)
+        try:
+            messages = check_messages(msg["messages"])
+            left = self.budgets.assistant_tokens - ep.ledger.assistant_tokens
+            settings = check_settings(msg["settings"], self.cfg.default_settings, left)
+        except (TypeError, ValueError, ArithmeticError) as e:
+            return self.reply_error(ep, rid, "model", f"bad request: {e}")
+        try:
+            session = ep.ledger.admit(messages, settings)
+        except Refused as r:
+            return self.refuse(ep, rid, r)
+        rec = ep.record
+        call = ModelCallRecord(
+            call_index=len(rec.calls),
+            session_id=session.id,
+            messages=messages,
+            settings=settings.to_dict(),
+            train=msg["train"],
+        )
+        rec.calls.append(call)
+        rec.turns = max(rec.turns, session.turns)
+        ep.waiting += 1
+        request = ChatRequest(
+            episode_id=f"{self.run_id}/{ep.key}",
+            session_id=session.id,
+            messages=tuple(messages),
+            settings=settings,
+            train=call.train,
+            rng=RngKey(
+                run_seed=self.cfg.run_seed,
+                step=self.step,
+                task_id=ep.task.id,
+                sample_index=ep.sample,
+                call_index=call.call_index,
+            ),
+            max_prompt_tokens=self.budgets.prompt_tokens,
+        )
+        self.ex._calls.submit(self.call_model, ep, ep.attempt, rid, request, call, session)
 
-    def settings(self, given: dict[str, Any], b: Budgets, ep: _Ep) -> SamplingSettings:
-        """The call's sampling settings: the harness's overrides on the defaults, each checked
-        for type and range (a frame is hostile: non-finite or huge numbers, bools for numbers,
-        unknown keys all refused with ValueError)."""
-        if not isinstance(given, dict):
-            raise ValueError("settings must be an object")
-        unknown = set(given) - _SETTINGS
-        if unknown:
-            raise ValueError(f"unknown settings {sorted(map(str, unknown))[:5]}")
-        base = self.cfg.default_settings.to_dict()
-        for key, value in given.items():
-            if key in ("temperature", "top_p"):
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise ValueError(f"{key} must be a number")
-                if not math.isfinite(value) or not 0.0 <= value <= 10.0:
-                    raise ValueError(f"{key} out of range")
-            elif key in ("top_k", "max_new_tokens"):
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise ValueError(f"{key} must be an integer")
-                if not 0 <= value <= 1 << 30:
-                    raise ValueError(f"{key} out of range")
-            elif key == "stop":
-                if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
-                    raise ValueError("stop must be a list of strings")
-            elif key == "enable_thinking" and value is not None and not isinstance(value, bool):
-                raise ValueError("enable_thinking must be true, false or null")
-            base[key] = value
-        s = SamplingSettings.from_dict(base)
-        if not (0.0 <= s.temperature <= 10.0 and 0.0 < s.top_p <= 1.0 and s.top_k >= 0):
-            raise ValueError("temperature/top_p/top_k out of range")
-        if len(s.stop) > 16 or any(len(x) > 200 for x in s.stop):
-            raise ValueError("at most 16 stop strings of 200 characters")
-        left = b.assistant_tokens - ep.assistant_tokens
-        return dataclasses.replace(s, max_new_tokens=min(s.max_new_tokens, left))
-
-    def call_model(
-        self,
-        w: _Worker,
-        ep: _Ep,
-        attempt: int,
-        rid: Any,
-        request: ChatRequest,
-        call: ModelCallRecord,
-        session: dict[str, Any],
-    ) -> None:
+    def call_model(self, ep: _Ep, attempt: int, rid: int, request: ChatRequest,
+                   call: ModelCallRecord, session: Any) -> None:  # fmt: skip
         t0 = time.monotonic()
         try:
             result = self.ex.backend.chat(request)
@@ -641,72 +476,44 @@ class _Run:
             call.latency_s = ep.busy_since - t0
             call.prompt_ids = list(result.prompt_ids)
             call.completion_ids = list(result.completion_ids)
-            call.prompt_tokens, call.completion_tokens = (
-                result.prompt_tokens,
-                result.completion_tokens,
-            )
+            call.prompt_tokens = result.prompt_tokens
+            call.completion_tokens = result.completion_tokens
             call.finish_reason, call.error = result.finish_reason, result.error
             call.weights_version = result.weights_version
             rec.prompt_tokens += result.prompt_tokens
             rec.completion_tokens += result.completion_tokens
-            ep.assistant_tokens += result.completion_tokens
+            ep.ledger.assistant_tokens += result.completion_tokens
             if result.finish_reason == "prompt_too_long" or result.prompt_tokens > b.prompt_tokens:
                 call.error = call.error or f"prompt over {b.prompt_tokens} tokens"
-                return self.refuse(w, ep, rid, "prompt_tokens", call.error)
+                return self.refuse(ep, rid, Refused("prompt_tokens", call.error))
             if result.error is not None:
-                w.send(
-                    {"t": "reply", "rid": rid, "ok": False, "kind": "model", "error": result.error}
-                )
-                return
+                return self.reply_error(ep, rid, "model", result.error)
             call.text, call.raw_text = result.text, result.raw_text
-            assert ep.ctx is not None
             ep.ctx.completions += [result.text, result.raw_text]
-            session["prefix"] = [*request.messages, {"role": "assistant", "content": result.text}]
-            reply = {
-                "t": "reply",
-                "rid": rid,
-                "ok": True,
-                "text": result.text,
-                "finish_reason": result.finish_reason,
-                "completion_tokens": result.completion_tokens,
-                "remaining": {
-                    "assistant_tokens": b.assistant_tokens - ep.assistant_tokens,
-                    "model_calls": b.model_calls - len(rec.calls),
-                    "turns": b.turns - session["turns"],
-                },
-            }
-        w.send(reply)
+            session.prefix = [*request.messages, {"role": "assistant", "content": result.text}]
+            reply = {"t": "reply", "rid": rid, "ok": True, "text": result.text,
+                     "finish_reason": result.finish_reason,
+                     "completion_tokens": result.completion_tokens,
+                     "remaining": ep.ledger.remaining(session)}  # fmt: skip
+        self.send(ep, attempt, reply)
 
-    def on_tool(self, w: _Worker, msg: dict[str, Any]) -> None:
-        rid = msg["rid"]
-        with self.lock:
-            ep = self.lookup(w, msg)
-            if ep is None:
-                return
-            name, args, kwargs = msg.get("name"), msg.get("args", []), msg.get("kwargs", {})
-            if (
-                name not in self.domain.tool_names
-                or not isinstance(args, list)
-                or not isinstance(kwargs, dict)
-            ):
-                w.send({"t": "reply", "rid": rid, "ok": False, "kind": "tool",
-                        "error": f"no tool {str(name)[:40]!r}"})  # fmt: skip
-                return
-            if len(ep.record.tool_calls) >= self.budgets.tool_calls:
-                return self.refuse(w, ep, rid, "tool_calls", f"{self.budgets.tool_calls} used")
-            rec = ToolCallRecord(name=name, arguments={"args": args, "kwargs": kwargs})
-            ep.record.tool_calls.append(rec)
-            ep.waiting += 1
-            attempt = ep.attempt
-        self.ex._tools.submit(self.call_tool, w, ep, attempt, rid, rec)
+    def on_tool(self, ep: _Ep, msg: dict[str, Any]) -> None:
+        rid, name = msg["rid"], msg["name"]
+        if name not in self.domain.tool_names:
+            return self.reply_error(ep, rid, "tool", f"no tool {name[:40]!r}")
+        if len(ep.record.tool_calls) >= self.budgets.tool_calls:
+            return self.refuse(ep, rid, Refused("tool_calls", f"{self.budgets.tool_calls} used"))
+        rec = ToolCallRecord(name=name, arguments={"args": msg["args"], "kwargs": msg["kwargs"]})
+        ep.record.tool_calls.append(rec)
+        ep.waiting += 1
+        self.ex._tools.submit(self.call_tool, ep, ep.attempt, rid, rec)
 
-    def call_tool(self, w: _Worker, ep: _Ep, attempt: int, rid: Any, rec: ToolCallRecord) -> None:
+    def call_tool(self, ep: _Ep, attempt: int, rid: int, rec: ToolCallRecord) -> None:
         t0 = time.monotonic()
         ok, value, error = True, None, None
         try:
-            assert ep.ctx is not None
             value = ep.env.call(rec.name, rec.arguments["args"], rec.arguments["kwargs"], ep.ctx)
-            json.dumps(value)
+            json.dumps(value, allow_nan=False)
         except ToolError as e:
             ok, error = False, str(e)
         except Exception as e:  # trusted tool code failed on odd input: the call fails, not the run
@@ -718,63 +525,46 @@ class _Run:
             ep.busy_since = time.monotonic()
             rec.latency_s = ep.busy_since - t0
             rec.result, rec.error = value, error
-            actions = self.domain.action_tools
+            actions = self.domain.action_tools or self.domain.tool_names
             ep.record.turns = max(
-                ep.record.turns,
-                sum(t.name in (actions or self.domain.tool_names) for t in ep.record.tool_calls),
+                ep.record.turns, sum(t.name in actions for t in ep.record.tool_calls)
             )
-            assert ep.ctx is not None
             if ep.ctx.retries > self.budgets.retries:
-                return self.refuse(w, ep, rid, "retries", f"{self.budgets.retries} retries used")
+                return self.refuse(
+                    ep, rid, Refused("retries", f"{self.budgets.retries} retries used")
+                )
         if ok:
-            w.send({"t": "reply", "rid": rid, "ok": True, "value": value})
+            self.send(ep, attempt, {"t": "reply", "rid": rid, "ok": True, "value": value})
         else:
-            w.send({"t": "reply", "rid": rid, "ok": False, "kind": "tool", "error": error})
+            self.reply_error(ep, rid, "tool", str(error))
 
-    def on_done(self, w: _Worker, msg: dict[str, Any]) -> None:
-        with self.lock:
-            ep = self.lookup(w, msg)
-            if ep is None:
-                return
-            kind = msg.get("kind")
-            error = msg.get("error")
-            answer = msg.get("answer")
-            ep.record.output = str(msg.get("output", ""))[: self.cfg.limits.output_bytes]
-            stop = {
-                "violation": "sandbox_violation",
-                "output_limit": "output_limit",
-                "memory": "memory_limit",
-                "exception": "error",
-                "budget": ep.budget_stop or "budget",
-            }.get(str(kind), "")
-            if kind == "exception" and isinstance(error, str) and "MemoryError" in error:
-                stop = "memory_limit"
-            if answer is not None and not isinstance(answer, str):
-                stop, error, answer = "error", "answer is not a string", None
-            self.finish(ep, stop, error=str(error) if error is not None else None, answer=answer)
-            del w.eps[ep.key]
-            if w.kind == "pool":
-                self.feed(w)
-            elif not w.eps:
-                w.retiring = True
-                w.send({"t": "exit"})
+    def on_done(self, ep: _Ep, msg: dict[str, Any]) -> None:
+        ep.record.output = msg["output"][: self.cfg.limits.output_bytes]
+        kind, error, answer = msg["kind"], msg["error"], msg["answer"]
+        stop = _DONE_STOP.get(kind, "")
+        if kind == "budget":
+            stop = ep.ledger.budget_stop or "budget"
+        if kind == "exception" and error and "MemoryError" in error:
+            stop = "memory_limit"
+        self.finish(ep, stop, error=error, answer=answer if kind == "ok" else None)
 
     # ---- scoring -----------------------------------------------------------------------------
 
-    def finish(
-        self, ep: _Ep, stop: str, *, error: str | None = None, answer: str | None = None
-    ) -> None:
+    def finish(self, ep: _Ep, stop: str, *, error: str | None = None,
+               answer: str | None = None) -> None:  # fmt: skip
         """Close an episode: check the answer came from the model, score it, audit the prompts."""
         if ep.state == "done":
             return
+        self.detach(ep)
         rec = ep.record
         rec.error = error
         rec.wall_s = time.monotonic() - ep.started
         rec.answer = answer
+        budget_stop = ep.ledger.budget_stop if ep.attempt else None
         if not stop:
             if self.domain.answer_required:
                 if answer is None or not answer.strip():
-                    stop = ep.budget_stop or "no_answer"
+                    stop = budget_stop or "no_answer"
                 else:
                     rec.answer_in_completion = any(
                         answer.strip() in c.text or answer.strip() in c.raw_text
@@ -782,26 +572,33 @@ class _Run:
                         if c.error is None
                     )
                     stop = "answered" if rec.answer_in_completion else "answer_not_in_completion"
-                    if ep.budget_stop and rec.answer_in_completion:
-                        stop = ep.budget_stop
+                    if budget_stop and rec.answer_in_completion:
+                        stop = budget_stop
             else:
-                stop = ep.env.status or ep.budget_stop or "no_answer"
+                stop = ep.env.status or budget_stop or "no_answer"
         rec.stop_reason = stop
         t0 = time.monotonic()
         clean = error is None and stop not in _FAILURES
-        if clean and (rec.answer_in_completion or not self.domain.answer_required):
+        if ep.attempt and clean and (rec.answer_in_completion or not self.domain.answer_required):
             try:
                 rec.reward, rec.extracted = self.domain.score(ep.task, answer, ep.env)
             except Exception as e:  # a verifier bug must not pass as a reward
                 rec.reward, rec.extracted = 0.0, None
                 rec.error = f"verifier failed: {type(e).__name__}: {e}"
-        try:
-            rec.gold_in_prompt = gold_in_prompts(
-                rec, ep.task.question, self.domain.gold_strings(ep.task)
-            )
-        except Exception:
-            rec.gold_in_prompt = False
+        if ep.attempt:
+            try:
+                answers = self.domain.answer_strings(ep.task, answer, rec.extracted, ep.env)
+                audits.audit(rec, ep.task.question, self.domain.gold_strings(ep.task), answers)
+            except Exception:
+                rec.gold_in_prompt = rec.answer_from_harness = False
         rec.score_s = time.monotonic() - t0
         ep.state = "done"
         self.remaining -= 1
-        self.changed.notify_all()
+
+    def fail_all(self, stop: str, error: str) -> None:
+        """The candidate itself failed (static check, load): every episode carries the reason."""
+        with self.lock:
+            self.pending.clear()
+            for ep in self.eps:
+                if ep.state != "done":
+                    self.finish(ep, stop, error=error)

@@ -60,6 +60,9 @@ class EpisodeRecord:
     stop_reason: str = ""
     error: str | None = None
     gold_in_prompt: bool = False
+    answer_from_harness: bool = (
+        False  # the submitted answer was written into a prompt by the harness
+    )
     reruns: int = 0
     output: str = ""
 
@@ -93,6 +96,7 @@ class EvalSummary:
     completion_tokens: int
     errors: dict[str, int]
     gold_in_prompt: int
+    answer_from_harness: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -114,4 +118,5 @@ def summarize(records: list[EpisodeRecord]) -> EvalSummary:
         completion_tokens=sum(r.completion_tokens for r in records),
         errors=errors,
         gold_in_prompt=sum(r.gold_in_prompt for r in records),
+        answer_from_harness=sum(r.answer_from_harness for r in records),
     )

@@ -1,10 +1,12 @@
-"""The sandboxed worker process: loads one untrusted harness module and runs many episodes of it
-concurrently, one thread per episode. Started fresh by the executor (never forked from the trainer,
-never importing jax); everything it asks of the world travels over one JSON channel.
+"""The episode side of the sandbox: what runs inside one jailed episode process (forked from the
+candidate's zygote, ``harness.zygote``). It loads the harness module, runs ``run(task, model,
+tools)`` once, reports, and exits: no state survives an episode.
 
-Everything above ``_load_harness`` is the trusted bootstrap; harness code runs with restricted
-builtins, facade modules (public, non-module attributes only) and the audit hook installed.
-"""
+``model`` and ``tools`` are thin proxies: every call is one request over the episode's own channel
+to the executor, which counts budgets, calls the model and the tools, and answers. With the Python
+layers on (the default), harness code sees restricted builtins and module facades (public,
+non-module attributes only) and the audit hook refuses what it can recognise; these are readable
+early refusals, the wall is the OS (``harness.jail``)."""
 
 from __future__ import annotations
 
@@ -12,15 +14,12 @@ import builtins
 import importlib
 import itertools
 import os
-import queue
-import socket
 import sys
-import threading
 import traceback
 import types
 from typing import Any
 
-from harness import sandbox
+from harness import ipc, sandbox
 from harness.ipc import Channel
 
 # Attributes a facade drops although they look harmless: they evaluate strings as code.
@@ -57,43 +56,60 @@ class OutputLimit(BaseException):
     pass
 
 
-class _Episode:
-    def __init__(self, key: str):
-        self.key = key
-        self.out: list[str] = []
-        self.out_bytes = 0
-        self.output_over = False
-        self.violation: str | None = None
-
-
-class _Slot:
-    __slots__ = ("event", "value")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.value: dict[str, Any] = {}
-
-
 class _Output:
-    """sys.stdout/sys.stderr of the worker: each episode's prints go to its own capped buffer."""
+    """sys.stdout/sys.stderr of an episode process: prints go to one capped buffer."""
 
-    def __init__(self, worker: _Worker):
-        self._worker = worker
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.parts: list[str] = []
+        self.size = 0
+        self.over = False
 
     def write(self, s: str) -> int:
-        ep = self._worker.by_thread.get(threading.get_ident())
-        if ep is None:
-            return len(s)
         s = str(s)
-        ep.out_bytes += len(s)
-        if ep.out_bytes > self._worker.output_cap:
-            ep.output_over = True
+        self.size += len(s)
+        if self.size > self.cap:
+            self.over = True
             raise OutputLimit("episode output cap exceeded")
-        ep.out.append(s)
+        self.parts.append(s)
         return len(s)
 
     def flush(self) -> None:
         pass
+
+    def text(self, limit: int) -> str:
+        return "".join(self.parts)[-self.cap :][:limit]
+
+
+class _Link:
+    """The episode's one connection to the executor: one request at a time, answered in order."""
+
+    def __init__(self, chan: Channel, max_request: int):
+        self._chan = chan
+        self._max_request = max_request
+        self._rids = itertools.count()
+
+    def request(self, kind: str, **fields: Any) -> dict[str, Any]:
+        rid = next(self._rids)
+        try:
+            msg = ipc.make(kind, ipc.EPISODE_TO_EXECUTOR, rid=rid, **fields)
+            self._chan.send(msg, max_bytes=self._max_request)
+        except (TypeError, ValueError, ipc.FrameError) as e:
+            raise ValueError(f"request refused: {e}") from None
+        while True:
+            reply = self._chan.recv()
+            if reply.get("rid") == rid:
+                break
+        if reply.get("ok"):
+            return reply
+        kind, error = reply.get("kind"), str(reply.get("error", ""))
+        if kind == "budget":
+            raise BudgetExceeded(error)
+        if kind == "tool":
+            raise ToolError(error)
+        if kind == "terminated":
+            raise EpisodeTerminated(error)
+        raise ModelError(error)
 
 
 class Model:
@@ -102,9 +118,8 @@ class Model:
     BudgetExceeded = BudgetExceeded
     ModelError = ModelError
 
-    def __init__(self, worker: _Worker, ep: _Episode):
-        self._worker = worker
-        self._ep = ep
+    def __init__(self, link: _Link):
+        self._link = link
         self.remaining: dict[str, int] = {}
         self.last: dict[str, Any] = {}
 
@@ -132,134 +147,23 @@ class Model:
             )
             if v is not None
         }
-        reply = self._worker.request(
-            self._ep, {"t": "chat", "messages": messages, "settings": settings, "train": train}
-        )
-        self.remaining = reply.get("remaining", {})
+        if not isinstance(train, bool):
+            raise TypeError("train must be True or False")
+        reply = self._link.request("chat", messages=messages, settings=settings, train=train)
+        self.remaining = dict(reply.get("remaining", {}))
         self.last = {k: reply.get(k) for k in ("finish_reason", "completion_tokens")}
-        return reply["text"]
+        return str(reply.get("text", ""))
 
 
-def _make_tools(worker: _Worker, ep: _Episode, names: list[str]) -> types.SimpleNamespace:
+def _make_tools(link: _Link, names: list[str]) -> types.SimpleNamespace:
     def bind(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            msg = {"t": "tool", "name": name, "args": list(args), "kwargs": kwargs}
-            return worker.request(ep, msg)["value"]
+            return link.request("tool", name=name, args=list(args), kwargs=kwargs).get("value")
 
         call.__name__ = name
         return call
 
     return types.SimpleNamespace(ToolError=ToolError, **{n: bind(n) for n in names})
-
-
-class _Worker:
-    def __init__(self, chan: Channel, init: dict[str, Any]):
-        self.chan = chan
-        self.init = init
-        self.output_cap = int(init["limits"]["output_bytes"])
-        self.tool_names = list(init.get("tools", []))
-        self.max_request = int(init["max_frame_bytes"]) // 2
-        self.episodes: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        self.by_thread: dict[int, _Episode] = {}
-        self.pending: dict[int, _Slot] = {}
-        self.rids = itertools.count()
-        self.run_fn: Any = None
-        self.load_violation: str | None = None
-
-    def note_violation(self, event: str) -> None:
-        ep = self.by_thread.get(threading.get_ident())
-        if ep is not None:
-            if ep.violation is None:
-                ep.violation = event
-        elif self.load_violation is None:
-            self.load_violation = event
-
-    def request(self, ep: _Episode, msg: dict[str, Any]) -> dict[str, Any]:
-        rid = next(self.rids)
-        slot = _Slot()
-        self.pending[rid] = slot
-        msg["ep"] = ep.key
-        msg["rid"] = rid
-        try:
-            self.chan.send(msg, max_bytes=self.max_request)
-        except (TypeError, ValueError) as e:
-            self.pending.pop(rid, None)
-            raise ValueError(f"request refused: {e}") from None
-        slot.event.wait()
-        reply = slot.value
-        if reply.get("ok"):
-            return reply
-        kind, error = reply.get("kind"), reply.get("error", "")
-        if kind == "budget":
-            raise BudgetExceeded(error)
-        if kind == "tool":
-            raise ToolError(error)
-        if kind == "terminated":
-            raise EpisodeTerminated(error)
-        raise ModelError(error)
-
-    def episode_loop(self) -> None:
-        while True:
-            msg = self.episodes.get()
-            ep = _Episode(msg["ep"])
-            self.by_thread[threading.get_ident()] = ep
-            task = types.SimpleNamespace(**msg["task"])
-            kind, error, answer = "ok", None, None
-            try:
-                answer = self.run_fn(task, Model(self, ep), _make_tools(self, ep, self.tool_names))
-                if answer is not None and not isinstance(answer, str):
-                    kind, error = "exception", f"run() returned {type(answer).__name__}, not str"
-                    answer = None
-                elif answer is not None and len(answer) > self.max_request:
-                    kind, error, answer = (
-                        "output_limit",
-                        f"answer of {len(answer)} characters",
-                        None,
-                    )
-            except MemoryError:  # no traceback: the frames it holds keep the memory in use
-                kind, error = "memory", "MemoryError: over the worker's memory limit"
-            except OutputLimit:
-                kind = "output_limit"
-            except BudgetExceeded as e:
-                kind, error = "budget", str(e)
-            except BaseException as e:  # the harness's failure, never the worker's
-                kind = "exception"
-                try:
-                    error = "".join(traceback.format_exception(e, limit=-6))[-4000:]
-                except BaseException:
-                    error = f"{type(e).__name__} (traceback unavailable)"
-            if ep.violation is not None:
-                kind, error = "violation", ep.violation
-            elif ep.output_over:
-                kind, error = "output_limit", f"output over {self.output_cap} bytes"
-            del self.by_thread[threading.get_ident()]
-            self.chan.send(
-                {
-                    "t": "done",
-                    "ep": ep.key,
-                    "kind": kind,
-                    "error": error,
-                    "answer": answer if kind == "ok" else None,
-                    "output": "".join(ep.out)[-self.output_cap :][: self.max_request // 2],
-                }
-            )
-
-    def reader_loop(self) -> None:
-        while True:
-            try:
-                msg = self.chan.recv()
-            except Exception:
-                os._exit(0)
-            t = msg.get("t")
-            if t == "reply":
-                slot = self.pending.pop(msg["rid"], None)
-                if slot is not None:
-                    slot.value = msg
-                    slot.event.set()
-            elif t == "episode":
-                self.episodes.put(msg)
-            elif t == "exit":
-                os._exit(0)
 
 
 def _facade(name: str, allowed: set[str]) -> types.ModuleType:
@@ -292,9 +196,18 @@ def _restricted_builtins(allowed: list[str]) -> dict[str, Any]:
     return table
 
 
-def _load_harness(source: str, table: dict[str, Any]) -> Any:
-    scope: dict[str, Any] = {"__name__": "harness_candidate", "__builtins__": table}
-    code = compile(source, "harness.py", "exec", dont_inherit=True)
+def prepare(init: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """In the zygote (trusted, before any fork): compile the harness and build the restricted
+    builtins and module facades every episode starts from. Nothing untrusted runs here."""
+    code = compile(init["source"], "harness.py", "exec", dont_inherit=True)
+    table = _restricted_builtins(init["allowed_imports"]) if init["python_layers"] else None
+    return code, table
+
+
+def load(code: Any, table: dict[str, Any] | None) -> Any:
+    """Run the harness module's body (in the episode's own process) and return its ``run``."""
+    scope: dict[str, Any] = {"__name__": "harness_candidate"}
+    scope["__builtins__"] = table if table is not None else vars(builtins)
     exec(code, scope)
     run = scope.get("run")
     if not callable(run):
@@ -302,33 +215,79 @@ def _load_harness(source: str, table: dict[str, Any]) -> Any:
     return run
 
 
-def main() -> None:
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    chan = Channel(sock)
-    init = chan.recv()
-    limits = sandbox.Limits(**init["limits"])
-    workdir = os.getcwd()
-    table = _restricted_builtins(init["allowed_imports"])
-    report = sandbox.enter(workdir, limits)
-    worker = _Worker(chan, init)
-    threading.stack_size(limits.thread_stack_bytes)
-    for _ in range(int(init["concurrency"])):
-        threading.Thread(target=worker.episode_loop, daemon=True).start()
-    report["processes"] = sandbox.forbid_new_processes()
-    sys.stdout = sys.stderr = _Output(worker)  # type: ignore[assignment]
-    sandbox.install_audit_hook(workdir, worker.note_violation)
-    report["audit_hook"] = "installed"
+def _violations() -> tuple[list[str], Any]:
+    seen: list[str] = []
+    return seen, seen.append
+
+
+def probe_main(code: Any, table: dict[str, Any] | None, python_layers: bool) -> None:
+    """The load check, in a jailed child of the zygote: exit 0 = loads; otherwise the reason goes
+    to fd 1 (a pipe the zygote reads) and the exit code says which (3 load error, 4 violation)."""
+    seen, note = _violations()
+    out = _Output(64 << 10)
+    sys.stdout = sys.stderr = out  # type: ignore[assignment]
+    if python_layers:
+        sandbox.install_audit_hook(os.getcwd(), note)
     try:
-        worker.run_fn = _load_harness(init["source"], table)
-        if worker.load_violation is not None:
-            raise sandbox.SandboxViolation(worker.load_violation)
+        load(code, table)
+        if seen:
+            raise sandbox.SandboxViolation(seen[0])
+        rc, text = 0, ""
     except BaseException as e:
-        text = "".join(traceback.format_exception(e, limit=-4))[-4000:]
-        chan.send({"t": "load_error", "error": text, "violation": worker.load_violation})
-        os._exit(0)
-    chan.send({"t": "ready", "protections": report, "pid": os.getpid()})
-    worker.reader_loop()
+        rc = 4 if seen else 3
+        try:
+            text = "".join(traceback.format_exception(e, limit=-4))[-4000:]
+        except BaseException:
+            text = f"{type(e).__name__} (traceback unavailable)"
+        if seen:
+            text = f"{seen[0]}\n{text}"
+    os.write(1, text.encode("utf-8", "replace")[:8000])
+    os._exit(rc)
 
 
-if __name__ == "__main__":
-    main()
+def episode_main(
+    chan: Channel, code: Any, table: dict[str, Any] | None, init: dict[str, Any],
+    payload: dict[str, Any],
+) -> None:  # fmt: skip
+    """One episode, in its own jailed process: load the harness, run it, report, exit."""
+    cap = int(init["limits"]["output_bytes"])
+    max_request = int(init["max_frame_bytes"]) // 2
+    link = _Link(chan, max_request)
+    seen, note = _violations()
+    out = _Output(cap)
+    sys.stdout = sys.stderr = out  # type: ignore[assignment]
+    if init["python_layers"]:
+        sandbox.install_audit_hook(os.getcwd(), note)
+    task = types.SimpleNamespace(**dict(payload.get("task", {})))
+    kind, error, answer = "ok", None, None
+    try:
+        run = load(code, table)
+        answer = run(task, Model(link), _make_tools(link, list(init["tools"])))
+        if answer is not None and not isinstance(answer, str):
+            kind, error, answer = (
+                "exception",
+                f"run() returned {type(answer).__name__}, not str",
+                None,
+            )
+        elif answer is not None and len(answer) > max_request // 2:
+            kind, error, answer = "output_limit", f"answer of {len(answer)} characters", None
+    except MemoryError:  # no traceback: the frames it holds keep the memory in use
+        kind, error = "memory", "MemoryError: over the episode's memory limit"
+    except OutputLimit:
+        kind = "output_limit"
+    except BudgetExceeded as e:
+        kind, error = "budget", str(e)[:4000]
+    except BaseException as e:  # the harness's failure
+        kind = "exception"
+        try:
+            error = "".join(traceback.format_exception(e, limit=-6))[-4000:]
+        except BaseException:
+            error = f"{type(e).__name__} (traceback unavailable)"
+    if seen:
+        kind, error = "violation", seen[0][:4000]
+    elif out.over:
+        kind, error = "output_limit", f"output over {cap} bytes"
+    done = {"kind": kind, "error": error, "answer": answer if kind == "ok" else None,
+            "output": out.text(max_request // 4)}  # fmt: skip
+    chan.send(ipc.make("done", ipc.EPISODE_TO_EXECUTOR, **done))
+    os._exit(0)

@@ -82,5 +82,12 @@ class Domain:
         gold = task.gold
         return [str(g) for g in gold] if isinstance(gold, (list, tuple)) else [str(gold)]
 
+    def answer_strings(
+        self, task: Task, answer: str | None, extracted: str | None, env: Env
+    ) -> list[str]:
+        """What the episode submitted, as strings the prompt audit looks for
+        (``harness.audits``): the extracted answer by default."""
+        return [extracted] if extracted else []
+
     def seed_harness(self) -> str:
         return importlib.resources.files("harness.seeds").joinpath(self.seed_file).read_text()

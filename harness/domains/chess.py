@@ -196,3 +196,9 @@ class ChessDomain(Domain):
     def score(self, task: Task, answer: str | None, env: Env) -> tuple[float, str | None]:
         assert isinstance(env, ChessEnv)
         return float(env.status == "solved"), " ".join(env.played) or None
+
+    def answer_strings(
+        self, task: Task, answer: str | None, extracted: str | None, env: Env
+    ) -> list[str]:
+        assert isinstance(env, ChessEnv)
+        return list(env.played)

@@ -61,18 +61,18 @@ def test_an_answer_found_only_in_a_prompt_is_not_the_models(executor, arith, ari
     assert rec.stop_reason == "answer_not_in_completion" and rec.reward == 0.0
 
 
-def test_hang_in_one_episode_reruns_the_innocent(arith, arith_tasks):
+def test_hang_in_one_episode_costs_only_that_episode(arith, arith_tasks):
     bomb = arith_tasks[0].question
     src = harness(f"if task.question == {bomb!r}:\n    while True:\n        pass\nreturn {ASK}")
     with make_executor(delay_s=2.5) as ex:  # the innocents are still waiting when it is killed
         records = ex.run(src, arith, arith_tasks[:4])
     assert records[0].stop_reason == "timeout" and records[0].reward == 0.0
     assert all(r.stop_reason == "answered" and r.reward == 1.0 for r in records[1:])
-    assert all(r.reruns >= 1 for r in records[1:])
+    assert all(r.reruns == 0 for r in records)  # one process per episode: nobody re-runs
 
 
-def test_unattributed_crash_is_isolated_by_bisection(arith, arith_tasks):
-    # Burning CPU past RLIMIT_CPU kills the whole worker with SIGXCPU: no culprit is known.
+def test_crash_is_recorded_with_its_signal(arith, arith_tasks):
+    # Burning CPU past RLIMIT_CPU kills the episode's process with SIGXCPU.
     bomb = arith_tasks[2].question
     src = harness(
         f"reply = {ASK}\nif task.question == {bomb!r}:\n    while True:\n        pass\nreturn reply"

@@ -1,28 +1,39 @@
-"""Hostile harnesses: each is contained with the right recorded reason while a good harness runs
-beside it (concurrently, in the same executor) and completes every episode."""
+"""Hostile harnesses. Each attack runs twice: with the Python-level layers (static check, audit hook,
+restricted builtins) on, and with them switched off, so the OS layer alone must hold. Contained
+means: the recorded reason is one of the expected ones, reward 0, nothing escaped (the attack's own
+report says "blocked" for every attempt), nothing written outside the sandbox, and an honest harness
+running beside it in the same executor scores every task."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import importlib.util
 import os
 
 import pytest
 
+import harness
 from harness.domains.arith import generate
+from harness.jail import Policy
 from tests.harness.conftest import TEST_BUDGETS, make_executor
 
 GOOD = """
 def run(task, model, tools):
     return model.chat([{"role": "user", "content": task.question}])
 """
+SENTINELS = ("/tmp/whale-escape", "/dev/shm/whale-escape")
+PROJECT_FILE = os.path.join(os.path.dirname(os.path.abspath(harness.__file__)), "executor.py")
+# python-chess: installed, readable by the trusted side, and it would solve the chess puzzles
+PACKAGE_DIR = os.path.dirname(importlib.util.find_spec("chess").origin)
+LAYERS = pytest.mark.parametrize("layers", [True, False], ids=["layers_on", "layers_off"])
 
 
 def run_beside_good(executor, arith, tasks, hostile: str):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         bad = pool.submit(executor.run, hostile, arith, tasks[:2], run_id="bad")
         good = pool.submit(executor.run, GOOD, arith, tasks, run_id="good")
-        bad_records, good_records = bad.result(timeout=90), good.result(timeout=90)
+        bad_records, good_records = bad.result(timeout=120), good.result(timeout=120)
     assert [r.stop_reason for r in good_records] == ["answered"] * len(tasks)
     assert all(r.reward == 1.0 for r in good_records)
     return bad_records
@@ -33,109 +44,197 @@ def body(code: str) -> str:
     return f"def run(task, model, tools):\n{lines}\n"
 
 
-# (name, source, expected stop_reason, text expected in the error, executor overrides)
-OFF = {"static_check": False}
-
-CASES = [
-    (
-        "syntax_error",
-        "def run(task, model, tools)\n    return 1\n",
-        "static_check",
-        "SyntaxError",
-        {},
-    ),
-    (
-        "import_os",
-        "import os\n" + body("return os.environ['OPENAI_API_KEY']"),
-        "static_check",
-        "'os'",
-        {},
-    ),
-    (
-        "import_subprocess",
-        "import subprocess\n" + body("return None"),
-        "static_check",
-        "'subprocess'",
-        {},
-    ),
-    ("import_ctypes", "import ctypes\n" + body("return None"), "static_check", "'ctypes'", {}),
-    (
-        "socket",
-        "import socket\n" + body("socket.create_connection(('127.0.0.1', 9))"),
-        "static_check",
-        "'socket'",
-        {},
-    ),
-    (
-        "write_outside",
-        body("open('/tmp/whale-escape', 'w').write('x')"),
-        "static_check",
-        "'open'",
-        {},
-    ),
-    # The same attacks with the static check off: the worker's second line stops them.
-    (
-        "env_key_runtime",
-        "import os\n" + body("return os.environ['OPENAI_API_KEY']"),
-        "harness_load",
-        "not allowed",
-        OFF,
-    ),
-    ("socket_runtime", "import socket\n" + body("return None"), "harness_load", "not allowed", OFF),
-    ("fork_runtime", "import os\n" + body("os.fork()"), "harness_load", "not allowed", OFF),
-    ("write_runtime", body("open('/tmp/whale-escape', 'w').write('x')"), "error", "NameError", OFF),
-    ("builtins_escape", body("return ().__class__.__base__.__subclasses__()"), "error", "", OFF),
-    ("raises", body("raise RuntimeError('boom')"), "error", "RuntimeError: boom", {}),
-    ("memory_bomb", body("x = 'a' * (8 << 30)\nreturn x"), "memory_limit", "MemoryError", {}),
-    (
-        "memory_growth",
-        body("keep = []\nwhile True:\n    keep.append(bytearray(50 << 20))"),
-        "memory_limit",
-        "MemoryError",
-        {"budgets": dataclasses.replace(TEST_BUDGETS, step_s=15.0)},
-    ),  # touching 700 MB takes seconds
-    ("huge_output", body("while True:\n    print('x' * 1000)"), "output_limit", "output", {}),
-    ("huge_answer", body("return 'x' * (16 << 20)"), "output_limit", "answer", {}),
-    ("infinite_loop", body("while True:\n    pass"), "timeout", "no request", {}),
-    ("exit", body("raise SystemExit(0)"), "error", "SystemExit", {}),
-    (
-        "load_time_error",
-        "raise RuntimeError('at import')\n" + GOOD,
-        "harness_load",
-        "at import",
-        {},
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    "name, source, stop, error_text, overrides", CASES, ids=[c[0] for c in CASES]
-)
-def test_hostile_harness_is_contained(
-    name, source, stop, error_text, overrides, arith, arith_tasks, executor
-):
-    ex = make_executor(**overrides) if overrides else executor
+# Every way out we know of, tried from inside an episode given `os` and `socket` modules. Each
+# attempt reports "blocked:<name>" or "ESCAPED:<name>".
+ATTEMPTS = f"""
+found = []
+def attempt(name, fn):
     try:
+        fn()
+        found.append("ESCAPED:" + name)
+    except BaseException:
+        found.append("blocked:" + name)
+attempt("read_passwd", lambda: os.open("/etc/passwd", 0))
+attempt("read_project", lambda: os.open({PROJECT_FILE!r}, 0))
+attempt("read_tests", lambda: os.open({os.path.abspath(__file__)!r}, 0))
+attempt("read_packages", lambda: os.open({PACKAGE_DIR!r}, 0))
+attempt("list_proc", lambda: os.listdir("/proc/1"))
+attempt("socket", lambda: socket.socket())
+attempt("unix_socket", lambda: socket.socket(socket.AF_UNIX))
+attempt("fork", lambda: os.fork())
+attempt("exec", lambda: os.execv("/bin/sh", ["sh", "-c", "true"]))
+attempt("setuid_other", lambda: os.setuid(12345))
+attempt("new_session", lambda: os.setsid())
+for pid in (0, -1, 1, 2, 3, 4, 5, 6, 7, 8):
+    if pid != os.getpid():
+        attempt("kill_" + str(pid), lambda pid=pid: os.kill(pid, 19))
+for path in {SENTINELS!r}:  # private tmpfs: allowed, and must not reach the host
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY))
+    except BaseException:
+        pass
+print(" ".join(found))
+"""
+
+# The static check passes this, yet it reads any attribute by a computed name: a class whose
+# metaclass accepts every instance and whose __match_args__ names the attribute. It reaches the
+# episode runtime's module globals (real os, the socket module through ipc) and tries every way out.
+MATCH_TRICK = (
+    """
+D = "_" * 2
+Meta = type("Meta", (type,), {D + "instancecheck" + D: lambda cls, obj: True})
+
+
+def grab(obj, name):
+    C = Meta("C", (), {D + "match" + "_args" + D: (name,)})
+    match obj:
+        case C(v):
+            return v
+
+
+def run(task, model, tools):
+    g = grab(grab(type(model), "chat"), D + "globals" + D)
+    os = g["os"]
+    socket = g["ipc"].socket
+"""
+    + "\n".join("    " + line for line in ATTEMPTS.strip().splitlines())
+    + "\n    return None\n"
+)
+
+# The audit hook's lists rebound through the same trick (and plainly, with the layers off).
+AUDIT_REBIND = """
+D = "_" * 2
+Meta = type("Meta", (type,), {D + "instancecheck" + D: lambda cls, obj: True})
+
+
+def grab(obj, name):
+    C = Meta("C", (), {D + "match" + "_args" + D: (name,)})
+    match obj:
+        case C(v):
+            return v
+
+
+def run(task, model, tools):
+    g = grab(grab(type(model), "chat"), D + "globals" + D)
+    table = grab(g["sandbox"], D + "dict" + D)
+    for name in ("_BLOCKED_PREFIXES", "_PATH_EVENTS", "_CODE_SUFFIXES"):
+        table[name] = ()
+    table["os"] = None
+    fd = g["os"].open("/etc/passwd", 0)
+    return "ESCAPED " + g["os"].read(fd, 100).decode()
+"""
+
+OS_PLAIN = "import os\nimport socket\n" + body(ATTEMPTS + "\nreturn None")
+
+# (name, source, stop reasons with the layers on, stop reasons with them off)
+CASES = [
+    ("syntax_error", "def run(task, model, tools)\n    return 1\n", {"static_check"},
+     {"harness_load"}),
+    ("env_key", "import os\n" + body("return os.environ['OPENAI_API_KEY']"), {"static_check"},
+     {"error"}),
+    ("subprocess", "import subprocess\n" + body(
+        "subprocess.run(['/bin/sh', '-c', 'touch /tmp/whale-escape'])"), {"static_check"},
+     {"error"}),
+    ("ctypes", body("import ctypes\nif ctypes.CDLL(None).syscall(62, 1, 9) == 0:\n    print('ESCAPED')"),
+     {"static_check"}, {"error", "no_answer"}),
+    ("socket", "import socket\n" + body("socket.create_connection(('127.0.0.1', 9))"),
+     {"static_check"}, {"error"}),
+    ("write_outside", body("open('/tmp/whale-escape', 'w').write('x')"), {"static_check"},
+     {"no_answer"}),
+    ("os_layer", OS_PLAIN, {"static_check"}, {"no_answer"}),
+    ("match_trick", MATCH_TRICK, {"sandbox_violation", "no_answer"}, {"no_answer"}),
+    ("audit_rebind", AUDIT_REBIND, {"sandbox_violation"}, {"error"}),
+    ("dev_shm_fill", "import os\n" + body(
+        "with open('/dev/shm/fill', 'wb') as f:\n    while True:\n        f.write(b'x' * (1 << 20))"),
+     {"static_check"}, {"error"}),
+    ("builtins_escape", body("return ().__class__.__base__.__subclasses__()"), {"static_check"},
+     {"error"}),
+    ("raises", body("raise RuntimeError('boom')"), {"error"}, {"error"}),
+    ("memory_bomb", body("x = 'a' * (8 << 30)\nreturn x"), {"memory_limit"}, {"memory_limit"}),
+    ("huge_output", body("while True:\n    print('x' * 1000)"), {"output_limit"},
+     {"output_limit"}),
+    ("huge_answer", body("return 'x' * (16 << 20)"), {"output_limit"}, {"output_limit"}),
+    ("infinite_loop", body("while True:\n    pass"), {"timeout"}, {"timeout"}),
+    ("exit", body("raise SystemExit(0)"), {"error"}, {"error"}),
+    ("load_time_error", "raise RuntimeError('at import')\n" + GOOD, {"harness_load"},
+     {"harness_load"}),
+]  # fmt: skip
+
+
+@LAYERS
+@pytest.mark.parametrize("name, source, on, off", CASES, ids=[c[0] for c in CASES])
+def test_hostile_harness_is_contained(name, source, on, off, layers, arith, arith_tasks,
+                                      monkeypatch):  # fmt: skip
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-not-for-sandboxes")
+    for path in SENTINELS:
+        if os.path.exists(path):
+            os.remove(path)
+    with make_executor(python_layers=layers) as ex:
         records = run_beside_good(ex, arith, arith_tasks, source)
-    finally:
-        if ex is not executor:
-            ex.close()
+    expected = on if layers else off
     for r in records:
-        assert r.stop_reason == stop, (r.stop_reason, r.error)
+        assert r.stop_reason in expected, (r.stop_reason, r.error, r.output)
         assert r.reward == 0.0
-        assert error_text in (r.error or ""), r.error
-    assert not os.path.exists("/tmp/whale-escape")
+        assert "ESCAPED" not in (r.output or "") + (r.error or "") + str(r.answer), r.output
+        if "blocked:" in (r.output or ""):
+            assert r.output.count("blocked:") >= 20, r.output
+    for path in SENTINELS:
+        assert not os.path.exists(path), path
 
 
-def test_worker_reports_protections(arith, arith_tasks, executor):
+def test_memory_growth_is_contained(arith, arith_tasks):
+    source = body("keep = []\nwhile True:\n    keep.append(bytearray(50 << 20))")
+    budgets = dataclasses.replace(TEST_BUDGETS, step_s=15.0)  # touching 700 MB takes seconds
+    with make_executor(budgets=budgets) as ex:
+        records = run_beside_good(ex, arith, arith_tasks, source)
+    assert all(r.stop_reason == "memory_limit" for r in records), [r.error for r in records]
+
+
+def test_siblings_are_not_disturbed(arith):
+    """One episode of a run stops, kills and signals every pid it can name; the other episodes
+    of the same run (same zygote, concurrently) all finish with their answers."""
+    tasks = generate(8, seed=11)
+    source = "import os\nimport socket\n" + body(
+        f"if task.id == {tasks[0].id!r}:\n"
+        + "\n".join("    " + line for line in ATTEMPTS.strip().splitlines())
+        + "\n    return None\n"
+        "return model.chat([{'role': 'user', 'content': task.question}])"
+    )
+    with make_executor(python_layers=False, delay_s=0.5) as ex:
+        records = ex.run(source, arith, tasks)
+    assert "ESCAPED" not in records[0].output and "blocked:kill_1" in records[0].output
+    assert [r.stop_reason for r in records[1:]] == ["answered"] * 7
+
+
+def test_protections_are_reported(arith, arith_tasks, executor):
     executor.run(GOOD, arith, arith_tasks[:1])
     p = executor.last_protections
-    assert p["audit_hook"] == "installed"
-    assert p["memory"] == str(768 << 20)
-    if os.geteuid() == 0:  # where the OS allows it, every protection applies
-        assert p["network"].startswith("isolated")
-        assert p["privileges"].startswith("dropped to nobody")
-        assert p["processes"].startswith("0")
+    assert p["rlimit_memory"] == str(768 << 20) and p["rlimit_core"] == "0"
+    assert p["seccomp"].startswith("filter of")
+    assert p["python_layers"].startswith("static check")
+    assert "site-packages" in p["filesystem"] or "landlock" in p["filesystem"]
+    if os.geteuid() == 0:
+        assert p["uid"].startswith("distinct uid")
+        assert p["namespaces"].startswith("mount, pid, ipc, network")
+
+
+def test_unprivileged_setup_holds(arith, arith_tasks):
+    """The user-namespace setup an unprivileged executor gets (forced here even as root): one
+    mapped uid, every capability dropped; siblings still cannot signal each other."""
+    policy = Policy(mode="shared_uid", user_namespace=True)
+    with make_executor(sandbox=policy, python_layers=False) as ex:
+        records = run_beside_good(ex, arith, arith_tasks, OS_PLAIN)
+        assert ex.last_protections["uid"].startswith(("shared", "distinct"))
+    assert all(r.stop_reason == "no_answer" for r in records), [r.output for r in records]
+    assert all("ESCAPED" not in r.output for r in records), records[0].output
+
+
+def test_strict_mode_refuses_shared_uids_loudly(arith, arith_tasks):
+    from harness.procs import SandboxUnavailable
+
+    with make_executor(sandbox=Policy(user_namespace=True)) as ex:
+        with pytest.raises(SandboxUnavailable, match="shared_uid"):
+            ex.run(GOOD, arith, arith_tasks[:1])
 
 
 def test_environment_is_scrubbed(monkeypatch):
@@ -148,6 +247,33 @@ def test_environment_is_scrubbed(monkeypatch):
     assert "OPENAI_API_KEY" not in out["stdout"] and "AWS_SECRET" not in out["stdout"]
 
 
+def test_math_tool_code_is_jailed():
+    """Model-written code has no static check: only the OS layer stands in its way."""
+    from harness.pytool import PythonToolConfig, run_python
+
+    code = "import os, socket, numpy, sympy\n" + ATTEMPTS + "\nprint(numpy.arange(4).sum())"
+    out = run_python(code, PythonToolConfig(timeout_s=30))
+    assert out["status"] == "ok", out
+    assert "ESCAPED" not in out["stdout"] and "blocked:read_passwd" in out["stdout"], out
+    assert out["stdout"].strip().endswith("6")
+    for path in SENTINELS:
+        assert not os.path.exists(path)
+
+
+def test_no_state_survives_an_episode(arith):
+    """A harness that answers only once it has seen an earlier episode: every sample of every
+    task is a first episode."""
+    tasks = generate(3, seed=5)
+    source = (
+        "SEEN = []\n"
+        + body("SEEN.append(task.id)\nif len(SEEN) > 1:\n"
+               "    return model.chat([{'role': 'user', 'content': task.question}])\nreturn None")
+    )  # fmt: skip
+    with make_executor(concurrency=1) as ex:
+        records = ex.run(source, arith, tasks, samples=3)
+    assert [r.stop_reason for r in records] == ["no_answer"] * 9
+
+
 NON_FINITE_SETTINGS = body("""
 errors = []
 for settings in ({"max_new_tokens": float("inf")}, {"temperature": 1e400}, {"top_p": 10**400},
@@ -156,7 +282,7 @@ for settings in ({"max_new_tokens": float("inf")}, {"temperature": 1e400}, {"top
     try:
         model.chat([{"role": "user", "content": task.question}], **settings)
         errors.append("accepted " + repr(settings))
-    except model.ModelError as e:
+    except (model.ModelError, ValueError):
         errors.append("refused")
 print(" ".join(errors))
 return model.chat([{"role": "user", "content": task.question}])
@@ -164,8 +290,8 @@ return model.chat([{"role": "user", "content": task.question}])
 
 
 def test_absurd_sampling_settings_are_refused_and_the_run_finishes(arith, arith_tasks):
-    """Non-finite, huge and mistyped sampling settings come back as model errors to the harness;
-    they once killed the executor's reader thread and hung the run."""
+    """Non-finite, huge and mistyped sampling settings come back as errors to the harness; they
+    once killed the executor's reader thread and hung the run."""
     with make_executor() as ex:
         records = run_beside_good(ex, arith, arith_tasks, NON_FINITE_SETTINGS)
     assert [r.stop_reason for r in records] == ["answered"] * 2
@@ -173,33 +299,50 @@ def test_absurd_sampling_settings_are_refused_and_the_run_finishes(arith, arith_
     assert all(len(r.calls) == 1 for r in records)  # only the sane call reached the model
 
 
-# A harness that reaches its worker's channel (possible with the Python-level layers off) and
-# writes a frame of its own, addressed to its own episode so the handlers get past the lookup:
-# each frame must end in a recorded reason for that worker's episodes, never a hang.
-FORGED = body("""
-frames = [
-    {"t": "chat", "rid": 1, "messages": [{"role": "user", "content": "hi"}],
-     "settings": {"top_p": 10**400}},
-    {"t": "chat", "rid": 1, "messages": [{"role": "user", "content": "hi"}],
-     "settings": {"max_new_tokens": 1e400}},
-    {"t": "chat", "rid": 1, "messages": [{"role": "user", "content": "hi"}],
-     "settings": {"bogus": 1}},
-    {"t": "chat", "rid": [1], "messages": "x" * 5000, "settings": []},
-    {"t": "tool", "rid": {}, "name": None, "args": {}, "kwargs": []},
-    {"t": "done", "kind": ["x"], "answer": {"a": 1}, "output": 10**400},
-    {"t": "ready", "protections": [1, 2]},
-    {"t": 7},
-]
-frame = dict(frames[(OFFSET + int(model._ep.key[1:])) % len(frames)], ep=model._ep.key)
-model._worker.chan.send(frame)
+# With the layers off an episode holds its channel (fd 3) and writes what it likes: fuzzed frames
+# (random JSON in every field of every kind), truncated frames, frames over the cap, non-JSON,
+# NaN. Each episode writes one, then carries on.
+FUZZ = "import json\nimport random\nimport socket\nimport struct\n" + body("""
+rng = random.Random(task.id + "/" + str(OFFSET))
+def value(depth=0):
+    pick = rng.randrange(9 if depth < 3 else 6)
+    return [None, True, rng.randrange(-10**30, 10**30), rng.random() * 1e300, "x" * rng.randrange(
+        0, 5000), -1, [value(depth + 1) for _ in range(3)], {str(rng.random()): value(depth + 1)},
+        {"role": "user", "content": value(depth + 1)}][pick]
+kinds = {"chat": ["rid", "messages", "settings", "train"], "tool": ["rid", "name", "args", "kwargs"],
+         "done": ["kind", "error", "answer", "output"], "reply": ["rid"], "ready": ["pid"]}
+mode = rng.randrange(6)
+if mode <= 1:
+    kind = rng.choice(sorted(kinds))
+    frame = {"t": kind, **{k: value() for k in kinds[kind]}}
+    if rng.random() < 0.3:
+        frame[str(rng.random())] = value()
+    data = json.dumps(frame).encode()
+    data = struct.pack(">I", len(data)) + data
+elif mode == 2:
+    data = struct.pack(">I", 1000) + b'{"t": "chat", "rid'
+elif mode == 3:
+    data = struct.pack(">I", 0xFFFFFFF0)
+elif mode == 4:
+    data = struct.pack(">I", 6) + bytes([0xFF, 0xFE, 0, 1, 2, 3])
+else:
+    raw = b'{"t":"done","kind":"ok","error":null,"answer":NaN,"output":""}'
+    data = struct.pack(">I", len(raw)) + raw
+sock = socket.socket(fileno=3)
+sock.sendall(data)
+sock.detach()
 return model.chat([{"role": "user", "content": task.question}])
 """)
 
 
-@pytest.mark.parametrize("offset", [0, 4])
-def test_forged_frames_never_hang_the_executor(arith, offset):
-    tasks = generate(4, seed=100)
-    with make_executor(static_check=False, concurrency=1) as ex:
-        records = ex.run(f"OFFSET = {offset}\n" + FORGED, arith, tasks, run_id=f"forged{offset}")
-    assert len(records) == len(tasks)
-    assert all(r.stop_reason for r in records), [r.stop_reason for r in records]
+@pytest.mark.parametrize("offset", range(3))
+def test_fuzzed_frames_never_hang_or_crash_the_executor(arith, offset):
+    tasks = generate(12, seed=100 + offset)
+    with make_executor(python_layers=False) as ex:
+        records = ex.run(f"OFFSET = {offset}\n" + FUZZ, arith, tasks, run_id=f"fuzz{offset}")
+        assert len(records) == len(tasks)
+        assert all(r.stop_reason for r in records), [r.stop_reason for r in records]
+        assert all(r.reward == 0.0 or r.stop_reason == "answered" for r in records)
+        assert any(r.stop_reason == "protocol_error" for r in records)
+        after = ex.run(GOOD, arith, tasks[:4], run_id=f"after{offset}")
+    assert [r.stop_reason for r in after] == ["answered"] * 4
