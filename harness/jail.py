@@ -454,7 +454,7 @@ def enter_episode(policy: Policy, uid: int | None, workdir: str | None) -> dict[
     else:
         assert workdir is not None
         os.chdir(workdir)
-        report["tmp"] = f"private directory (landlock), file size {policy.tmp_bytes >> 20} MiB"
+        report["tmp"] = "private directory (landlock): files capped by RLIMIT_FSIZE, not its total"
     if uid is not None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
@@ -478,10 +478,16 @@ _LL_ALL_V1 = (1 << 13) - 1
 _LL_FILE = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14)  # rights that apply to a file
 
 
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 when Landlock is missing or disabled."""
+    rc = _libc().syscall(444, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    return max(int(rc), 0)
+
+
 def landlock(read: list[str], write: list[str]) -> str:
     """Confine the file system: read (and map) ``read``, read and write ``write``; nothing else."""
     libc = _libc()
-    abi = libc.syscall(444, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    abi = landlock_abi()
     if abi < 1:
         raise _fail("landlock", ctypes.get_errno() or errno.ENOSYS, " (kernel 5.13+ with landlock)")
     handled = _LL_ALL_V1 | ((1 << 13) if abi >= 2 else 0) | ((1 << 14) if abi >= 3 else 0)

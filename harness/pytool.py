@@ -68,7 +68,11 @@ class _Pool:
                     on_event=lambda kind, msg: self._on_event(box[0], kind, msg),
                 )
                 box.append(z)
-                self.protections = z.wait_ready(self.config.start_timeout_s)
+                try:
+                    self.protections = z.wait_ready(self.config.start_timeout_s)
+                except BaseException:
+                    z.close(grace_s=0.0)
+                    raise
                 self.zygote = z
             return self.zygote
 

@@ -39,7 +39,8 @@ class ToolCallRecord:
 @dataclasses.dataclass(kw_only=True)
 class EpisodeRecord:
     """``stop_reason``: answered | no_answer | answer_not_in_completion | budget:<name> | timeout |
-    error | sandbox_violation | output_limit | memory_limit | worker_died | static_check |
+    error | sandbox_violation | output_limit | memory_limit | worker_died (the episode process
+    died: its signal in ``error``) | protocol_error (a malformed frame) | static_check |
     harness_load | solved | failed (chess). ``turns``: the longer of the longest conversation
     (calls of one session) and the number of environment actions (tool calls)."""
 

@@ -255,9 +255,13 @@ class _Zygote:
                 os.dup2(fd, target, inheritable=True)
         top = max([2, *keep.values()])
         os.closerange(top + 1, 1 << 16)
+        landlocked = None
+        if self.policy.mode == "landlock":  # the rules open the paths: before the uid changes
+            jail.prctl(38, 1)  # no_new_privs, which restrict_self needs
+            landlocked = jail.landlock(self.read_paths, [workdir or "/nonexistent", "/dev/null"])
         report = jail.enter_episode(self.policy, uid, workdir)
-        if self.policy.mode == "landlock":
-            report["filesystem"] = jail.landlock(self.read_paths, [workdir or "/nonexistent"])
+        if landlocked is not None:
+            report["filesystem"] = landlocked
         report.update(jail.set_limits(self.limits))
         report["seccomp"] = jail.install_seccomp()
         return report

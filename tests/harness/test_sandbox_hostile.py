@@ -15,7 +15,7 @@ import pytest
 
 import harness
 from harness.domains.arith import generate
-from harness.jail import Policy
+from harness.jail import Policy, landlock_abi
 from tests.harness.conftest import TEST_BUDGETS, make_executor
 
 GOOD = """
@@ -218,15 +218,27 @@ def test_protections_are_reported(arith, arith_tasks, executor):
         assert p["namespaces"].startswith("mount, pid, ipc, network")
 
 
-def test_unprivileged_setup_holds(arith, arith_tasks):
-    """The user-namespace setup an unprivileged executor gets (forced here even as root): one
-    mapped uid, every capability dropped; siblings still cannot signal each other."""
-    policy = Policy(mode="shared_uid", user_namespace=True)
+@pytest.mark.parametrize(
+    "policy",
+    [
+        Policy(mode="shared_uid", user_namespace=True),
+        pytest.param(Policy(mode="landlock"), marks=pytest.mark.skipif(
+            landlock_abi() < 1, reason="this kernel has no Landlock")),
+    ],
+    ids=["user_namespace", "landlock"],
+)  # fmt: skip
+def test_weaker_modes_hold(policy, arith, arith_tasks):
+    """The setups an unprivileged executor gets: a user namespace (forced here even as root: one
+    mapped uid, every capability dropped), or Landlock without namespaces. Every way out is still
+    blocked and siblings still cannot be signalled."""
     with make_executor(sandbox=policy, python_layers=False) as ex:
         records = run_beside_good(ex, arith, arith_tasks, OS_PLAIN)
-        assert ex.last_protections["uid"].startswith(("shared", "distinct"))
+        p = ex.last_protections
+    assert p["uid"].startswith(("shared", "distinct")) and p["seccomp"].startswith("filter")
     assert all(r.stop_reason == "no_answer" for r in records), [r.output for r in records]
-    assert all("ESCAPED" not in r.output for r in records), records[0].output
+    assert all("ESCAPED" not in r.output and "blocked:kill_1" in r.output for r in records)
+    for path in SENTINELS:
+        assert not os.path.exists(path)
 
 
 def test_strict_mode_refuses_shared_uids_loudly(arith, arith_tasks):
