@@ -10,6 +10,7 @@ no network, no other process; its stdout and stderr are pipes read here, each ca
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import os
@@ -163,6 +164,13 @@ def _read_pipes(fds: tuple[int, int], cap: int, timeout_s: float) -> tuple[tuple
 
 _pools: dict[PythonToolConfig, _Pool] = {}
 _pools_lock = threading.Lock()
+
+
+@atexit.register
+def _close_pools() -> None:
+    with _pools_lock:
+        for p in _pools.values():
+            p.close()
 
 
 def pool(config: PythonToolConfig) -> _Pool:
