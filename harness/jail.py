@@ -83,173 +83,46 @@ def _libc() -> Any:
 
 _ARCH = platform.machine()
 # (audit arch, {name: number}) per architecture; names absent on an arch are simply not listed.
+# fmt: off
 _SYSCALLS: dict[str, tuple[int, dict[str, int]]] = {
-    "x86_64": (
-        0xC000003E,
-        dict(
-            execve=59,
-            execveat=322,
-            ptrace=101,
-            process_vm_readv=310,
-            process_vm_writev=311,
-            kcmp=312,
-            socket=41,
-            socketpair=53,
-            connect=42,
-            bind=49,
-            listen=50,
-            accept=43,
-            accept4=288,
-            mount=165,
-            umount2=166,
-            pivot_root=155,
-            chroot=161,
-            unshare=272,
-            setns=308,
-            clone=56,
-            clone3=435,
-            fork=57,
-            vfork=58,
-            setsid=112,
-            setpgid=109,
-            keyctl=250,
-            add_key=248,
-            request_key=249,
-            bpf=321,
-            perf_event_open=298,
-            userfaultfd=323,
-            io_uring_setup=425,
-            io_uring_enter=426,
-            io_uring_register=427,
-            init_module=175,
-            finit_module=313,
-            delete_module=176,
-            kexec_load=246,
-            kexec_file_load=320,
-            reboot=169,
-            swapon=167,
-            swapoff=168,
-            acct=163,
-            quotactl=179,
-            open_by_handle_at=304,
-            name_to_handle_at=303,
-            syslog=103,
-            ioperm=173,
-            iopl=172,
-            memfd_create=319,
-            memfd_secret=447,
-            shmget=29,
-            msgget=68,
-            semget=64,
-            rt_sigqueueinfo=129,
-            rt_tgsigqueueinfo=297,
-            pidfd_open=434,
-            pidfd_send_signal=424,
-            pidfd_getfd=438,
-            mknod=133,
-            mknodat=259,
-            fsopen=430,
-            fsmount=432,
-            move_mount=429,
-            open_tree=428,
-            fsconfig=431,
-            fspick=433,
-            mount_setattr=442,
-            personality=135,
-            migrate_pages=256,
-            move_pages=279,
-            lookup_dcookie=212,
-            seccomp=317,
-            kill=62,
-            tkill=200,
-            tgkill=234,
-            prlimit64=302,
-            capset=126,
-        ),
-    ),  # fmt: skip
-    "aarch64": (
-        0xC00000B7,
-        dict(
-            execve=221,
-            execveat=281,
-            ptrace=117,
-            process_vm_readv=270,
-            process_vm_writev=271,
-            kcmp=272,
-            socket=198,
-            socketpair=199,
-            connect=203,
-            bind=200,
-            listen=201,
-            accept=202,
-            accept4=242,
-            mount=40,
-            umount2=39,
-            pivot_root=41,
-            chroot=51,
-            unshare=97,
-            setns=268,
-            clone=220,
-            clone3=435,
-            setsid=157,
-            setpgid=154,
-            keyctl=219,
-            add_key=217,
-            request_key=218,
-            bpf=280,
-            perf_event_open=241,
-            userfaultfd=282,
-            io_uring_setup=425,
-            io_uring_enter=426,
-            io_uring_register=427,
-            init_module=105,
-            finit_module=273,
-            delete_module=106,
-            kexec_load=104,
-            kexec_file_load=294,
-            reboot=142,
-            swapon=224,
-            swapoff=225,
-            acct=89,
-            quotactl=60,
-            open_by_handle_at=265,
-            name_to_handle_at=264,
-            syslog=116,
-            memfd_create=279,
-            memfd_secret=447,
-            shmget=194,
-            msgget=186,
-            semget=190,
-            rt_sigqueueinfo=138,
-            rt_tgsigqueueinfo=240,
-            pidfd_open=434,
-            pidfd_send_signal=424,
-            pidfd_getfd=438,
-            mknodat=33,
-            fsopen=430,
-            fsmount=432,
-            move_mount=429,
-            open_tree=428,
-            fsconfig=431,
-            fspick=433,
-            mount_setattr=442,
-            personality=92,
-            migrate_pages=238,
-            move_pages=239,
-            lookup_dcookie=18,
-            seccomp=277,
-            kill=129,
-            tkill=130,
-            tgkill=131,
-            prlimit64=261,
-            capset=91,
-        ),
-    ),  # fmt: skip
+    "x86_64": (0xC000003E, dict(
+        execve=59, execveat=322, ptrace=101, process_vm_readv=310, process_vm_writev=311,
+        kcmp=312, socket=41, socketpair=53, connect=42, bind=49, listen=50, accept=43,
+        accept4=288, mount=165, umount2=166, pivot_root=155, chroot=161, unshare=272, setns=308,
+        clone=56, clone3=435, fork=57, vfork=58, setsid=112, setpgid=109, keyctl=250, add_key=248,
+        request_key=249, bpf=321, perf_event_open=298, userfaultfd=323, io_uring_setup=425,
+        io_uring_enter=426, io_uring_register=427, init_module=175, finit_module=313,
+        delete_module=176, kexec_load=246, kexec_file_load=320, reboot=169, swapon=167,
+        swapoff=168, acct=163, quotactl=179, open_by_handle_at=304, name_to_handle_at=303,
+        syslog=103, ioperm=173, iopl=172, memfd_create=319, memfd_secret=447, shmget=29,
+        msgget=68, semget=64, rt_sigqueueinfo=129, rt_tgsigqueueinfo=297, pidfd_open=434,
+        pidfd_send_signal=424, pidfd_getfd=438, mknod=133, mknodat=259, fsopen=430, fsmount=432,
+        move_mount=429, open_tree=428, fsconfig=431, fspick=433, mount_setattr=442,
+        personality=135, migrate_pages=256, move_pages=279, lookup_dcookie=212, seccomp=317,
+        kill=62, tkill=200, tgkill=234, prlimit64=302, capset=126, fcntl=72, ioctl=16
+    )),
+    "aarch64": (0xC00000B7, dict(
+        execve=221, execveat=281, ptrace=117, process_vm_readv=270, process_vm_writev=271,
+        kcmp=272, socket=198, socketpair=199, connect=203, bind=200, listen=201, accept=202,
+        accept4=242, mount=40, umount2=39, pivot_root=41, chroot=51, unshare=97, setns=268,
+        clone=220, clone3=435, setsid=157, setpgid=154, keyctl=219, add_key=217, request_key=218,
+        bpf=280, perf_event_open=241, userfaultfd=282, io_uring_setup=425, io_uring_enter=426,
+        io_uring_register=427, init_module=105, finit_module=273, delete_module=106,
+        kexec_load=104, kexec_file_load=294, reboot=142, swapon=224, swapoff=225, acct=89,
+        quotactl=60, open_by_handle_at=265, name_to_handle_at=264, syslog=116, memfd_create=279,
+        memfd_secret=447, shmget=194, msgget=186, semget=190, rt_sigqueueinfo=138,
+        rt_tgsigqueueinfo=240, pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438, mknodat=33,
+        fsopen=430, fsmount=432, move_mount=429, open_tree=428, fsconfig=431, fspick=433,
+        mount_setattr=442, personality=92, migrate_pages=238, move_pages=239, lookup_dcookie=18,
+        seccomp=277, kill=129, tkill=130, tgkill=131, prlimit64=261, capset=91, fcntl=25, ioctl=29
+    )),
 }
+# fmt: on
 # Denied outright (EPERM): new programs, other processes' memory, sockets (the inherited channel
 # keeps working), namespaces and mounts, new processes and threads, kernel keyrings, BPF, perf,
 # io_uring, modules, anonymous memory files, SysV IPC. kill/tkill/tgkill/prlimit64 are allowed
 # only on the calling process itself (checked on the pid argument).
+# fmt: off
 DENIED = (
     "execve", "execveat", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "socket",
     "socketpair", "connect", "bind", "listen", "accept", "accept4", "mount", "umount2",
@@ -262,8 +135,16 @@ DENIED = (
     "rt_tgsigqueueinfo", "pidfd_open", "pidfd_send_signal", "pidfd_getfd", "mknod", "mknodat",
     "fsopen", "fsmount", "move_mount", "open_tree", "fsconfig", "fspick", "mount_setattr",
     "personality", "migrate_pages", "move_pages", "lookup_dcookie", "seccomp", "capset",
-)  # fmt: skip
+)
+# fmt: on
 _SELF_ONLY = ("kill", "tkill", "tgkill", "prlimit64")  # first argument must be our pid (or 0)
+# Commands that would make the kernel signal another process on our behalf (SIGIO/SIGURG owner of
+# a file or socket, the signal it sends) or push input into a terminal: refused by the second
+# argument's value.
+_ARG1_DENIED = {
+    "fcntl": (8, 10, 15),  # F_SETOWN, F_SETSIG, F_SETOWN_EX
+    "ioctl": (0x8901, 0x8902, 0x5412),  # FIOSETOWN, SIOCSPGRP, TIOCSTI
+}
 
 
 def _nr(name: str) -> int:
@@ -415,11 +296,14 @@ def _drop_capabilities() -> None:
     _check(_libc().syscall(_nr("capset"), header, data), "drop capabilities")
 
 
-def set_limits(limits: Any) -> dict[str, str]:
-    """rlimits of an episode or tool process (``harness.sandbox.Limits``); never raises a limit."""
+def set_limits(limits: Any, reserved_bytes: int = 0) -> dict[str, str]:
+    """rlimits of an episode or tool process (``harness.sandbox.Limits``); never raises a limit.
+    ``reserved_bytes`` (the private tmpfs, which is RAM) comes out of the address-space limit so
+    that the two together stay within ``limits.memory_bytes``."""
     report = {}
+    memory = max(limits.memory_bytes - reserved_bytes, 64 << 20)
     for name, which, value, headroom in (
-        ("memory", resource.RLIMIT_AS, limits.memory_bytes, 0),
+        ("memory", resource.RLIMIT_AS, memory, 0),
         ("cpu", resource.RLIMIT_CPU, limits.cpu_s, 1),  # soft: SIGXCPU; hard a second later
         ("open_files", resource.RLIMIT_NOFILE, limits.open_files, 0),
         ("file_size", resource.RLIMIT_FSIZE, limits.file_bytes, 0),
@@ -450,7 +334,8 @@ def enter_episode(policy: Policy, uid: int | None, workdir: str | None) -> dict[
         _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts)
         _mount("/tmp", "/dev/shm", None, MS_BIND, None)
         os.chdir("/tmp")
-        report["tmp"] = f"private tmpfs of {policy.tmp_bytes >> 20} MiB (/tmp, /dev/shm)"
+        report["tmp"] = (f"private tmpfs of {policy.tmp_bytes >> 20} MiB (/tmp, /dev/shm), "
+                         "counted in the memory limit")  # fmt: skip
     else:
         assert workdir is not None
         os.chdir(workdir)
@@ -542,6 +427,11 @@ def seccomp_program(pid: int) -> bytes:
             body.append(_insn(_BPF_JEQ_K, len(ok) - i, 0, v))
         body += [_insn(_BPF_RET_K, 0, 0, eperm), _insn(_BPF_RET_K, 0, 0, _RET_ALLOW)]
         prog += [_insn(_BPF_JEQ_K, 0, len(body), table[name]), *body]
+    for name, values in _ARG1_DENIED.items():
+        body = [_insn(_BPF_LD_W_ABS, 0, 0, 24)]  # low word of the second argument
+        body += [_insn(_BPF_JEQ_K, len(values) - i, 0, v) for i, v in enumerate(values)]
+        body += [_insn(_BPF_RET_K, 0, 0, _RET_ALLOW), _insn(_BPF_RET_K, 0, 0, eperm)]
+        prog += [_insn(_BPF_JEQ_K, 0, len(body), table[name]), *body]
     prog.append(_insn(_BPF_RET_K, 0, 0, _RET_ALLOW))
     return b"".join(prog)
 
@@ -557,4 +447,5 @@ def install_seccomp() -> str:
     pr_set_seccomp, seccomp_mode_filter = 22, 2
     rc = _libc().prctl(pr_set_seccomp, seccomp_mode_filter, ctypes.c_char_p(fprog), 0, 0)
     _check(rc, "seccomp")
-    return f"filter of {n} instructions: {len(DENIED)} calls denied, signals only to itself"
+    return (f"filter of {n} instructions: {len(DENIED)} calls denied, signals only to itself, "
+            "no signal owners (F_SETOWN, SIOCSPGRP)")  # fmt: skip

@@ -4,7 +4,6 @@ per harness run) and by the math tool (one zygote per process, shared)."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ from harness import ipc, jail, sandbox
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BOOT = "import sys; sys.path.insert(0, sys.argv[2]); from harness.zygote import launcher_main; launcher_main()"
 _UID_BLOCK = 1 << 12  # uids per zygote (root mode): distinct across every zygote of this process
+_UID_BLOCKS = 1 << 12  # blocks in the reserved range (Policy.uid_base + 2**24 uids)
 _uid_lock = threading.Lock()
 _uid_blocks: set[int] = set()
 
@@ -117,8 +117,14 @@ class Zygote:
 
     @staticmethod
     def _take_uid_block() -> int:
+        """A block of uids no other zygote of this process holds; blocks start at a place that
+        depends on the pid, so executors in different processes rarely meet (they could not reach
+        each other anyway: separate pid and mount namespaces)."""
         with _uid_lock:
-            block = next(i for i in itertools.count() if i not in _uid_blocks)
+            first = (os.getpid() * 97) % _UID_BLOCKS
+            block = next(
+                b for i in range(_UID_BLOCKS) if (b := (first + i) % _UID_BLOCKS) not in _uid_blocks
+            )
             _uid_blocks.add(block)
             return block
 

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import re
 import string
+import threading
 
 # Names a harness may not mention at all (as a call, a value or an assignment target).
 BANNED_NAMES = frozenset(
@@ -199,12 +200,16 @@ def _module_str_constants(tree: ast.Module) -> set[str]:
     return {name for name in literal if counts.get(name) == 1}
 
 
+_PARSE_LOCK = threading.Lock()
+
+
 def check_source(
     source: str, *, allowed_imports: frozenset[str], required: tuple[str, ...] = ("run",)
 ) -> list[Violation]:
     """All violations in ``source``; empty means it may be loaded in the sandbox."""
     try:
-        tree = ast.parse(source, mode="exec")
+        with _PARSE_LOCK:  # CPython 3.11's AST validation is not thread-safe (gh-106905)
+            tree = ast.parse(source, mode="exec")
     except SyntaxError as e:
         return [Violation(e.lineno or 0, f"SyntaxError: {e.msg}")]
     except (ValueError, RecursionError, MemoryError) as e:

@@ -262,7 +262,8 @@ class _Zygote:
         report = jail.enter_episode(self.policy, uid, workdir)
         if landlocked is not None:
             report["filesystem"] = landlocked
-        report.update(jail.set_limits(self.limits))
+        tmpfs = self.policy.tmp_bytes if self.policy.mode != "landlock" else 0
+        report.update(jail.set_limits(self.limits, reserved_bytes=tmpfs))
         report["seccomp"] = jail.install_seccomp()
         return report
 

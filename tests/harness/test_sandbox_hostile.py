@@ -65,6 +65,9 @@ attempt("fork", lambda: os.fork())
 attempt("exec", lambda: os.execv("/bin/sh", ["sh", "-c", "true"]))
 attempt("setuid_other", lambda: os.setuid(12345))
 attempt("new_session", lambda: os.setsid())
+if fcntl is not None:  # the kernel would send SIGIO to pid 1 on our channel's activity
+    attempt("signal_owner", lambda: fcntl.fcntl(3, 8, 1))  # F_SETOWN
+    attempt("signal_owner_ioctl", lambda: fcntl.ioctl(3, 0x8902, b"\\x01\\x00\\x00\\x00"))
 for pid in (0, -1, 1, 2, 3, 4, 5, 6, 7, 8):
     if pid != os.getpid():
         attempt("kill_" + str(pid), lambda pid=pid: os.kill(pid, 19))
@@ -96,6 +99,7 @@ def run(task, model, tools):
     g = grab(grab(type(model), "chat"), D + "globals" + D)
     os = g["os"]
     socket = g["ipc"].socket
+    fcntl = None
 """
     + "\n".join("    " + line for line in ATTEMPTS.strip().splitlines())
     + "\n    return None\n"
@@ -124,7 +128,12 @@ def run(task, model, tools):
     return "ESCAPED " + g["os"].read(fd, 100).decode()
 """
 
-OS_PLAIN = "import os\nimport socket\n" + body(ATTEMPTS + "\nreturn None")
+# fcntl is not preloaded by the zygote: where the interpreter's files are unreadable to an episode's
+# uid (Landlock mode as root with a private install) it cannot be imported, and that is fine.
+IMPORTS = (
+    "import os\nimport socket\ntry:\n    import fcntl\nexcept ImportError:\n    fcntl = None\n"
+)
+OS_PLAIN = IMPORTS + body(ATTEMPTS + "\nreturn None")
 
 # (name, source, stop reasons with the layers on, stop reasons with them off)
 CASES = [
@@ -194,7 +203,7 @@ def test_siblings_are_not_disturbed(arith):
     """One episode of a run stops, kills and signals every pid it can name; the other episodes
     of the same run (same zygote, concurrently) all finish with their answers."""
     tasks = generate(8, seed=11)
-    source = "import os\nimport socket\n" + body(
+    source = IMPORTS + body(
         f"if task.id == {tasks[0].id!r}:\n"
         + "\n".join("    " + line for line in ATTEMPTS.strip().splitlines())
         + "\n    return None\n"
@@ -209,7 +218,8 @@ def test_siblings_are_not_disturbed(arith):
 def test_protections_are_reported(arith, arith_tasks, executor):
     executor.run(GOOD, arith, arith_tasks[:1])
     p = executor.last_protections
-    assert p["rlimit_memory"] == str(768 << 20) and p["rlimit_core"] == "0"
+    tmpfs = 64 << 20 if "tmpfs" in p["tmp"] else 0  # the private /tmp is RAM: counted in
+    assert p["rlimit_memory"] == str((768 << 20) - tmpfs) and p["rlimit_core"] == "0"
     assert p["seccomp"].startswith("filter of")
     assert p["python_layers"].startswith("static check")
     assert "site-packages" in p["filesystem"] or "landlock" in p["filesystem"]
@@ -263,7 +273,7 @@ def test_math_tool_code_is_jailed():
     """Model-written code has no static check: only the OS layer stands in its way."""
     from harness.pytool import PythonToolConfig, run_python
 
-    code = "import os, socket, numpy, sympy\n" + ATTEMPTS + "\nprint(numpy.arange(4).sum())"
+    code = "import fcntl, os, socket, numpy, sympy\n" + ATTEMPTS + "\nprint(numpy.arange(4).sum())"
     out = run_python(code, PythonToolConfig(timeout_s=30))
     assert out["status"] == "ok", out
     assert "ESCAPED" not in out["stdout"] and "blocked:read_passwd" in out["stdout"], out
