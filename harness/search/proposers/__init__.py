@@ -1,0 +1,1 @@
+"""Proposer backends behind one interface (``base.Proposer``)."""
