@@ -1,0 +1,203 @@
+"""One harness phase of WHALE: Meta-Harness search under the current weights.
+
+Iteration 1 evaluates the incoming harness (it stays a candidate, so a phase never makes the
+harness worse on its own split). Each later iteration asks the proposer for ``slots`` candidates,
+audits each (``harness.search.validate``), scores the valid ones on the harness-search split
+through the same executor that drives training, and logs the iteration. At the end the top of the
+Pareto frontier (success up, mean turns down) is accepted.
+
+Everything lands in the archive as it happens; an interrupted phase resumes from it: finished
+candidates are not evaluated again, an iteration whose proposals were already archived is not
+proposed again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from harness.domains.base import Domain, Task
+from harness.executor import Executor
+from harness.records import EpisodeRecord, summarize
+from harness.search import frontier
+from harness.search.archive import Archive, Candidate, Phase, Proposal, summary_dict
+from harness.search.proposers.base import Proposer, ProposeRequest
+from harness.search.validate import ValidationConfig, validate
+from harness.static_check import check_source
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SearchConfig:
+    iterations: int = 6  # I: counting the incoming harness's evaluation as iteration 1
+    slots: int = 3  # k: candidates per proposer call
+    samples: int = 1  # episodes per search task (the paper: 1)
+    trial_tasks: int = 4  # tasks a proposer's trial run of a draft uses
+    require_significant: bool = False  # accept a challenger only outside sampling noise
+    validation: ValidationConfig = ValidationConfig()
+
+    def __post_init__(self) -> None:
+        if self.iterations < 1 or self.slots < 1 or self.samples < 1:
+            raise ValueError("SearchConfig: iterations, slots and samples must be at least 1")
+
+
+@dataclasses.dataclass(kw_only=True)
+class PhaseResult:
+    accepted: Candidate
+    frontier: list[str]
+    candidates: list[Candidate]
+    detail: dict[str, Any]
+
+
+def _rewards_by_task(records: list[EpisodeRecord], tasks: Sequence[Task]) -> list[float]:
+    by: dict[str, list[float]] = {}
+    for r in records:
+        by.setdefault(r.task_id, []).append(r.reward)
+    return [sum(by.get(t.id, [0.0])) / max(len(by.get(t.id, [])), 1) for t in tasks]
+
+
+class HarnessPhase:
+    def __init__(
+        self,
+        *,
+        archive: Archive,
+        index: int,
+        domain: Domain,
+        executor: Executor,
+        search_tasks: Sequence[Task],
+        proposer: Proposer,
+        skill: str,
+        config: SearchConfig = SearchConfig(),
+        weights: dict[str, Any] | None = None,
+        log: Callable[[str], None] = print,
+    ):
+        self.archive, self.domain, self.executor = archive, domain, executor
+        self.tasks = list(search_tasks)
+        self.proposer, self.skill, self.config = proposer, skill, config
+        self.weights = dict(weights or {})
+        self.phase: Phase = archive.phase(index)
+        self.log = log
+        self.trial_episodes = 0
+
+    # ---- evaluation --------------------------------------------------------------------------
+
+    def evaluate(self, cand: Candidate, incoming: str | None) -> None:
+        """Audit (proposals only) and score one candidate; writes its verdict to the archive."""
+        if incoming is not None:
+            verdict = validate(cand.source, domain=self.domain, incoming=incoming,
+                               search_tasks=self.tasks, executor=self.executor,
+                               config=self.config.validation)  # fmt: skip
+            if verdict is not None:
+                self.phase.reject(cand, *verdict)
+                self.log(f"  {cand.name}: rejected by {verdict[0]}: {verdict[1][:160]}")
+                return
+        t0 = time.monotonic()
+        records = self.executor.run(cand.source, self.domain, self.tasks,
+                                    samples=self.config.samples,
+                                    run_id=f"{os.path.basename(self.phase.root)}/{cand.name}")  # fmt: skip
+        summary = summarize(records)
+        rewards = _rewards_by_task(records, self.tasks)
+        extra = {"weights": self.weights, "eval_s": round(time.monotonic() - t0, 3),
+                 "samples": self.config.samples}  # fmt: skip
+        self.phase.record(cand, records, summary_dict(summary, rewards, extra))
+        self.log(f"  {cand.name}: success {summary.success_rate:.3f}, turns "
+                 f"{summary.mean_turns:.2f}, errors {summary.errors}")  # fmt: skip
+
+    def trial(self, source: str) -> dict[str, Any]:
+        """A proposer's trial run of a draft on a few search tasks (counted)."""
+        violations = check_source(source, allowed_imports=self.domain.allowed_imports)
+        if violations:
+            return {"static_check": [str(v) for v in violations[:10]]}
+        tasks = self.tasks[: self.config.trial_tasks]
+        records = self.executor.run(source, self.domain, tasks, run_id="trial")
+        self.trial_episodes += len(records)
+        worst = next((r for r in records if r.reward == 0), None)
+        return {
+            "success_rate": summarize(records).success_rate,
+            "stop_reasons": [r.stop_reason for r in records],
+            "failing_episode": None if worst is None else {
+                "stop_reason": worst.stop_reason, "error": (worst.error or "")[-1000:],
+                "last_completion": worst.calls[-1].text[-1000:] if worst.calls else "",
+                "output": worst.output[-500:]},
+        }  # fmt: skip
+
+    # ---- the phase ---------------------------------------------------------------------------
+
+    def run(self, incoming_source: str) -> PhaseResult:
+        self.phase.start({"domain": self.domain.name, "weights": self.weights,
+                          "search_task_ids": [t.id for t in self.tasks],
+                          "config": {"iterations": self.config.iterations,
+                                     "slots": self.config.slots, "samples": self.config.samples,
+                                     "prompt_only": self.config.validation.prompt_only}})  # fmt: skip
+        logged = {e["iteration"] for e in self.phase.iterations()}
+        cands = self.phase.candidates()
+        if not cands:
+            cands = [self.phase.add(Proposal(name="incoming", source=incoming_source,
+                                             proposer="incoming"), iteration=1)]  # fmt: skip
+        incoming = cands[0]
+        if not incoming.finished:
+            self.log(f"iteration 1: the incoming harness ({incoming.name})")
+            self.evaluate(incoming, None)
+        if 1 not in logged:
+            self.phase.log_iteration(self._entry(1, [incoming], [], 0.0))
+        for it in range(2, self.config.iterations + 1):
+            if it in logged:
+                continue
+            t0 = time.monotonic()
+            mine = [c for c in self.phase.candidates() if c.iteration == it]
+            problems: list[str] = []
+            if not mine:
+                proposals, problems = self.propose(it, incoming.source)
+                mine = [self.phase.add(p, iteration=it) for p in proposals]
+            self.log(f"iteration {it}: {len(mine)} candidates" +
+                     (f" ({'; '.join(problems)[:200]})" if problems else ""))  # fmt: skip
+            for cand in mine:
+                if not cand.finished:
+                    self.evaluate(cand, incoming.source)
+            self.phase.log_iteration(self._entry(it, mine, problems, time.monotonic() - t0))
+        return self.finish(incoming)
+
+    def propose(self, iteration: int, incoming: str) -> tuple[list[Proposal], list[str]]:
+        slot_dir = os.path.join(self.phase.root, "proposals", f"iter-{iteration:03d}")
+        shutil.rmtree(slot_dir, ignore_errors=True)  # a crashed proposer's leftovers
+        os.makedirs(slot_dir)
+        request = ProposeRequest(
+            archive_dir=self.archive.root, phase_dir=self.phase.root, slot_dir=slot_dir,
+            skill=self.skill, domain=self.domain.name, slots=self.config.slots,
+            iteration=iteration, prompt_only=self.config.validation.prompt_only,
+            trial=self.trial,
+        )  # fmt: skip
+        try:
+            return self.proposer.propose(request)
+        except Exception as e:  # a proposer failure skips its slots; the phase goes on
+            return [], [f"proposer {getattr(self.proposer, 'name', '?')} failed: "
+                        f"{type(e).__name__}: {e}"[:1000]]  # fmt: skip
+
+    def _entry(self, it: int, cands: list[Candidate], problems: list[str], wall: float) -> dict:
+        return {
+            "iteration": it,
+            "candidates": [c.name for c in cands],
+            "valid": [c.name for c in cands if c.valid],
+            "scores": {c.name: c.summary["success_rate"] for c in cands if c.summary},
+            "rejected": {c.name: c.invalid["audit"] for c in cands if c.invalid},
+            "problems": problems,
+            "trial_episodes": self.trial_episodes,
+            "wall_s": round(wall, 3),
+        }
+
+    def finish(self, incoming: Candidate) -> PhaseResult:
+        cands = self.phase.candidates()
+        scored = [(c.name, c.summary) for c in cands if c.summary is not None]
+        if not scored:
+            raise RuntimeError(f"{self.phase.root}: the incoming harness has no score")
+        name, front, detail = frontier.accept(
+            scored, incoming.name, require_significant=self.config.require_significant
+        )
+        accepted = next(c for c in cands if c.name == name)
+        self.phase.accept(accepted, front, {**detail, "summary": accepted.summary})
+        self.log(f"accepted {accepted.name} (success {accepted.summary['success_rate']:.3f}); "
+                 f"frontier {front}")  # fmt: skip
+        return PhaseResult(accepted=accepted, frontier=front, candidates=cands, detail=detail)
