@@ -15,7 +15,7 @@ from harness.backends import ScriptedBackend
 from harness.domains.arith import ArithDomain, generate
 from harness.executor import Executor, ExecutorConfig
 from harness.search import frontier
-from harness.search.archive import Archive, Proposal
+from harness.search.archive import Archive
 from harness.search.phase import HarnessPhase, SearchConfig
 from harness.search.proposers.base import ProposeRequest, collect
 from harness.search.proposers.command import CommandProposer
