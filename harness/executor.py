@@ -360,8 +360,16 @@ class _Run:
                 self.sel.unregister(ep.sock)
             except (KeyError, ValueError):
                 pass
-            ep.sock.close()
-            ep.sock = None
+            # A model-call thread may be inside sendall on this socket: shut it down first (the
+            # send fails at once), then close under the send lock so the descriptor cannot be
+            # reused by another episode's socket while a send is still in flight.
+            try:
+                ep.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            with ep.send_lock:
+                ep.sock.close()
+                ep.sock = None
             if self.zygote is not None and ep.exit_reason is None:
                 self.zygote.stop(ep.key)
 
