@@ -59,12 +59,14 @@ class ProposeRequest:
             if self.prompt_only
             else ""
         )
+        phase = os.path.relpath(self.phase_dir, self.archive_dir)
         return (
-            f"Improve the {self.domain} harness. Iteration {self.iteration}. The archive of every "
-            f"earlier harness, its scores and its full traces is at {self.archive_dir} (current "
-            f"phase: {self.phase_dir}). Read the failing traces end to end before proposing. "
-            f"Propose {self.slots} candidates, one mechanism each.{mode}\n{self.contract}\n"
-            f"slot_dir = {self.slot_dir}"
+            f"Improve the {self.domain} harness. Iteration {self.iteration}. Your file tools see "
+            f"the archive of every earlier harness, its scores and its full traces (paths "
+            f"relative to the archive root; current phase: {phase}). Read the failing traces end "
+            f"to end before proposing. Propose {self.slots} candidates, one mechanism each."
+            f"{mode}\n{self.contract}\nslot_dir = slots (write it as 'slots/<name>/harness.py' "
+            "and 'slots/pending.json')"
         )
 
 
