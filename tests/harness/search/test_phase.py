@@ -44,6 +44,7 @@ def run(task, model, tools):
     return model.chat([{"role": "user", "content": "Repeat exactly: " + str(total)}])
 """
 HOSTILE = "import os\n\ndef run(task, model, tools):\n    return os.environ.get('HOME')\n"
+LOOPS = "def run(task, model, tools):\n    while True:\n        pass\n"  # passes the static check
 
 
 class ListProposer:
@@ -85,7 +86,7 @@ def leaking(tasks) -> str:
 def test_phase_audits_scores_and_accepts(setup):
     tasks, ex, archive = setup
     proposer = ListProposer([[("step", STEP), ("leak", leaking(tasks)), ("computes", COMPUTES)],
-                             [("hostile", HOSTILE), ("h0-again", H0)]])  # fmt: skip
+                             [("hostile", HOSTILE), ("loops", LOOPS), ("h0-again", H0)]])  # fmt: skip
     phase = HarnessPhase(archive=archive, index=1, domain=ArithDomain(), executor=ex,
                          search_tasks=tasks, proposer=proposer, skill="skill",
                          config=SearchConfig(iterations=3, slots=3), weights={"step": 7},
@@ -93,12 +94,17 @@ def test_phase_audits_scores_and_accepts(setup):
     result = phase.run(H0)
     by = {c.name: c for c in result.candidates}
     assert set(by) == {"h000-incoming", "h001-step", "h002-leak", "h003-computes", "h004-hostile",
-                       "h005-h0-again"}  # fmt: skip
+                       "h005-loops", "h006-h0-again"}  # fmt: skip
     assert by["h000-incoming"].summary["success_rate"] == 0.0
     assert by["h001-step"].summary["success_rate"] == 1.0
     assert by["h002-leak"].invalid["audit"] == "leakage"
     assert by["h003-computes"].invalid["audit"] == "computes_answers"
     assert by["h004-hostile"].invalid["audit"] == "static"
+    assert (
+        by["h005-loops"].invalid["audit"] == "smoke"
+        and "timeout" in by["h005-loops"].invalid["reason"]
+    )
+    assert by["h006-h0-again"].summary["success_rate"] == 0.0
     assert result.accepted.name == "h001-step"
     assert result.frontier[0] == "h001-step"
     assert result.detail["vs_incoming"]["gain"] == 1.0
