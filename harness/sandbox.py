@@ -22,7 +22,6 @@ class Limits:
     open_files: int = 64  # RLIMIT_NOFILE
     file_bytes: int = 16 << 20  # RLIMIT_FSIZE
     output_bytes: int = 64 << 10  # captured stdout+stderr kept per episode / tool call
-    thread_stack_bytes: int = 256 << 10
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
