@@ -54,7 +54,9 @@ class JailError(OSError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Policy:
-    mode: str = "strict"
+    # The environment variable WHALE_SANDBOX sets the default mode (e.g. for the test suite on a
+    # machine where the executor cannot run as root); an explicit mode always wins.
+    mode: str = dataclasses.field(default_factory=lambda: os.environ.get("WHALE_SANDBOX", "strict"))
     tmp_bytes: int = 64 << 20  # the episode's private /tmp (and /dev/shm): a tmpfs of this size
     uid_base: int = 0x3F000000  # root mode: episode uids come from [uid_base, uid_base + 2**24)
     user_namespace: bool = False  # True: the unprivileged setup (user namespace) even as root
@@ -189,8 +191,8 @@ def die_with_parent() -> None:
 
 _USERNS_HINT = (
     "; the kernel refuses unprivileged user namespaces (Ubuntu 23.10+: sysctl "
-    "kernel.apparmor_restrict_unprivileged_userns=0, or run the executor as root), or run with "
-    "--sandbox=landlock to accept the weaker mode"
+    "kernel.apparmor_restrict_unprivileged_userns=0, or run the executor as root), or accept the "
+    "weaker mode: sandbox mode 'landlock' (WHALE_SANDBOX=landlock or ExecutorConfig.sandbox)"
 )
 
 
@@ -202,7 +204,11 @@ def enter_namespaces(policy: Policy) -> dict[str, str]:
         return {"namespaces": "none (landlock mode)"}
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET
     if os.geteuid() == 0 and not policy.user_namespace:
-        _unshare(flags, "unshare(mount, pid, ipc, net)", "; or run with --sandbox=landlock")
+        _unshare(
+            flags,
+            "unshare(mount, pid, ipc, net)",
+            "; or accept the weaker mode: WHALE_SANDBOX=landlock",
+        )
         return {"namespaces": "mount, pid, ipc, network (as root)"}
     uid, gid = os.geteuid(), os.getegid()
     _unshare(CLONE_NEWUSER | flags, "unshare(user, mount, pid, ipc, net)", _USERNS_HINT)

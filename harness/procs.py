@@ -46,8 +46,8 @@ def check_policy(policy: jail.Policy) -> None:
         raise SandboxUnavailable(
             "sandbox: a distinct uid per episode process needs the executor to run as root "
             "(unprivileged user namespaces map one uid); run as root, or accept shared uids "
-            "with --sandbox=shared_uid (siblings are still separated by seccomp and mount "
-            "namespaces)"
+            "with sandbox mode 'shared_uid' (WHALE_SANDBOX=shared_uid or ExecutorConfig.sandbox; "
+            "siblings are still separated by seccomp and mount namespaces)"
         )
 
 

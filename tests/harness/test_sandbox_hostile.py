@@ -393,3 +393,11 @@ def test_fuzzed_frames_never_hang_or_crash_the_executor(arith, offset):
         assert any(r.stop_reason == "protocol_error" for r in records)
         after = ex.run(GOOD, arith, tasks[:4], run_id=f"after{offset}")
     assert [r.stop_reason for r in after] == ["answered"] * 4
+
+
+def test_sandbox_mode_from_the_environment(monkeypatch):
+    monkeypatch.setenv("WHALE_SANDBOX", "landlock")
+    assert Policy().mode == "landlock" and Policy(mode="strict").mode == "strict"
+    monkeypatch.setenv("WHALE_SANDBOX", "none")
+    with pytest.raises(ValueError, match="'none'"):
+        Policy()
