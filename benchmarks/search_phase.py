@@ -4,6 +4,8 @@ score with its paired interval against the incoming harness (h0), so a reader se
 search beats h0 by more than sampling noise.
 
     .venv/bin/python benchmarks/search_phase.py --domain arith [--tasks 256] [--iterations 6]
+
+An interrupted run resumes from its archive when started again (``--fresh`` starts over).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--archive", default="/tmp/whale-search-evidence")
+    p.add_argument("--fresh", action="store_true", help="delete the archive first (else resume)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     out = args.out or f"benchmarks/results/search_{args.domain}.json"
@@ -67,7 +70,8 @@ def main(argv=None) -> int:
     settings = SamplingSettings(temperature=1.0, top_p=1.0, top_k=20, max_new_tokens=256)
     executor = Executor(client, ExecutorConfig(concurrency=args.engine_slots * 2,
                                                default_settings=settings))  # fmt: skip
-    shutil.rmtree(args.archive, ignore_errors=True)
+    if args.fresh:
+        shutil.rmtree(args.archive, ignore_errors=True)
     archive = Archive(args.archive)
     phase = HarnessPhase(
         archive=archive, index=1, domain=domain, executor=executor, search_tasks=tasks,
