@@ -38,10 +38,27 @@ class SearchConfig:
     trial_tasks: int = 4  # tasks a proposer's trial run of a draft uses
     require_significant: bool = False  # accept a challenger only outside sampling noise
     validation: ValidationConfig = ValidationConfig()
+    # "fixed": ``iterations`` in all. "adaptive": at least ``min_proposals`` proposal iterations,
+    # then stop once the best search-split score has not improved for ``patience`` of them;
+    # never more than ``max_proposals`` (the paper: 5, 2, 15). Never reads validation or test data.
+    schedule: str = "fixed"
+    min_proposals: int = 5
+    patience: int = 2
+    max_proposals: int = 15
 
     def __post_init__(self) -> None:
         if self.iterations < 1 or self.slots < 1 or self.samples < 1:
             raise ValueError("SearchConfig: iterations, slots and samples must be at least 1")
+        if self.schedule not in ("fixed", "adaptive"):
+            raise ValueError(f"SearchConfig.schedule {self.schedule!r}: expected fixed or adaptive")
+        if not 1 <= self.min_proposals <= self.max_proposals or self.patience < 1:
+            raise ValueError(
+                "SearchConfig: need 1 <= min_proposals <= max_proposals, patience >= 1"
+            )
+
+    @property
+    def last_iteration(self) -> int:
+        return self.iterations if self.schedule == "fixed" else self.max_proposals + 1
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -130,6 +147,7 @@ class HarnessPhase:
         self.phase.start({"domain": self.domain.name, "weights": self.weights,
                           "search_task_ids": [t.id for t in self.tasks],
                           "config": {"iterations": self.config.iterations,
+                                     "schedule": self.config.schedule,
                                      "slots": self.config.slots, "samples": self.config.samples,
                                      "prompt_only": self.config.validation.prompt_only}})  # fmt: skip
         logged = {e["iteration"] for e in self.phase.iterations()}
@@ -143,7 +161,9 @@ class HarnessPhase:
             self.evaluate(incoming, None)
         if 1 not in logged:
             self.phase.log_iteration(self._entry(1, [incoming], [], 0.0))
-        for it in range(2, self.config.iterations + 1):
+        for it in range(2, self.config.last_iteration + 1):
+            if self.stop_early(it):
+                break
             if it in logged:
                 continue
             t0 = time.monotonic()
@@ -159,6 +179,22 @@ class HarnessPhase:
                     self.evaluate(cand, incoming.source)
             self.phase.log_iteration(self._entry(it, mine, problems, time.monotonic() - t0))
         return self.finish(incoming)
+
+    def stop_early(self, it: int) -> bool:
+        """Adaptive schedule: before iteration ``it``, has the best score stalled long enough?"""
+        cfg = self.config
+        if cfg.schedule != "adaptive" or it - 2 < cfg.min_proposals:
+            return False
+        best, since = -1.0, 0
+        for entry in sorted(self.phase.iterations(), key=lambda e: e["iteration"]):
+            if entry["iteration"] >= it:
+                break
+            top = max(entry["scores"].values(), default=-1.0)
+            if top > best:
+                best, since = top, 0
+            else:
+                since += 1
+        return since >= cfg.patience
 
     def propose(self, iteration: int, incoming: str) -> tuple[list[Proposal], list[str]]:
         slot_dir = os.path.join(self.phase.root, "proposals", f"iter-{iteration:03d}")

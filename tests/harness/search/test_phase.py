@@ -168,6 +168,30 @@ def test_proposer_failure_skips_its_slots(setup):
     assert "API unreachable" in phase.phase.iterations()[1]["problems"][0]
 
 
+@pytest.mark.parametrize(
+    "rounds, iterations",
+    [
+        ([[("same", H0)]], [1, 2, 3, 4, 5, 6]),  # never improves: the 5 proposal minimum
+        (
+            [[("a", H0)]] * 4 + [[("step", STEP)], [("b", H0)], [("c", H0)]],
+            [1, 2, 3, 4, 5, 6, 7, 8],
+        ),
+    ],
+    ids=["stalled", "late_gain"],
+)
+def test_adaptive_schedule(setup, rounds, iterations):
+    """At least 5 proposal iterations, then stop after 2 without a new best (iteration 1, the
+    incoming harness, sets the first best)."""
+    tasks, ex, archive = setup
+    config = SearchConfig(slots=1, schedule="adaptive",
+                          validation=ValidationConfig(audit_tasks=1, smoke=False))  # fmt: skip
+    phase = HarnessPhase(archive=archive, index=1, domain=ArithDomain(), executor=ex,
+                         search_tasks=tasks[:2], proposer=ListProposer(rounds), skill="s",
+                         config=config, log=lambda s: None)  # fmt: skip
+    phase.run(H0)
+    assert [e["iteration"] for e in phase.phase.iterations()] == iterations
+
+
 def test_command_proposer_takes_only_the_slots(setup, tmp_path):
     tasks, ex, archive = setup
     agent = tmp_path / "agent.py"
