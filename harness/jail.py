@@ -183,6 +183,10 @@ def prctl(option: int, arg: int = 0) -> int:
     return _libc().prctl(option, ctypes.c_ulong(arg), 0, 0, 0)
 
 
+def no_new_privs() -> None:
+    _check(prctl(_PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
+
+
 def die_with_parent() -> None:
     prctl(_PR_SET_PDEATHSIG, 9)
 
@@ -357,7 +361,7 @@ def enter_episode(policy: Policy, uid: int | None, workdir: str | None) -> dict[
     else:
         report["uid"] = f"shared uid {os.geteuid()}"
     prctl(_PR_SET_DUMPABLE, 0)
-    _check(prctl(_PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
+    no_new_privs()
     report["no_new_privs"] = "set"
     return report
 

@@ -224,10 +224,9 @@ class _Zygote:
 
     # ---- children ------------------------------------------------------------------------------
 
-    def _fork(self, key: str, keep: dict[int, int]) -> tuple[int, int | None, str | None]:
-        """Fork a child; in it, move ``keep`` (fd -> target fd) into place, close everything
-        else and enter the jail. Returns (pid, uid, workdir) in the parent; never returns in the
-        child (the caller's child branch runs with the returned pid 0)."""
+    def _fork(self, key: str) -> tuple[int, int | None, str | None]:
+        """Fork a child with its own uid (root) and, in landlock mode, its own directory.
+        Returns (pid, uid, workdir); pid 0 in the child, which then calls ``_enter``."""
         uid = self.uid_base + self.free_uids.pop() if self.uid_base >= 0 else None
         workdir = None
         if self.policy.mode == "landlock":
@@ -257,7 +256,7 @@ class _Zygote:
         os.closerange(top + 1, 1 << 16)
         landlocked = None
         if self.policy.mode == "landlock":  # the rules open the paths: before the uid changes
-            jail.prctl(38, 1)  # no_new_privs, which restrict_self needs
+            jail.no_new_privs()  # restrict_self needs it
             landlocked = jail.landlock(self.read_paths, [workdir or "/nonexistent", "/dev/null"])
         report = jail.enter_episode(self.policy, uid, workdir)
         if landlocked is not None:
@@ -273,7 +272,7 @@ class _Zygote:
         from harness import worker
 
         r, w = os.pipe()
-        pid, uid, workdir = self._fork("probe", {w: 1})
+        pid, uid, workdir = self._fork("probe")
         if pid == 0:
             try:
                 report = self._enter(uid, workdir, {w: 1})
@@ -321,7 +320,7 @@ class _Zygote:
     def child_report_only(self) -> dict[str, str]:
         """The tool zygote's protections: one jailed child that reports and exits."""
         r, w = os.pipe()
-        pid, uid, workdir = self._fork("probe", {w: 1})
+        pid, uid, workdir = self._fork("probe")
         if pid == 0:
             try:
                 report = self._enter(uid, workdir, {w: 1})
@@ -341,7 +340,7 @@ class _Zygote:
 
     def start(self, key: str, payload: dict[str, Any], fds: list[int]) -> None:
         keep = {fds[0]: 3} if self.program == "harness" else {fds[0]: 1, fds[1]: 2}
-        pid, uid, workdir = self._fork(key, keep)
+        pid, uid, workdir = self._fork(key)
         if pid == 0:
             try:
                 self._enter(uid, workdir, keep)
