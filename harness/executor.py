@@ -36,8 +36,7 @@ from harness.records import EpisodeRecord, ModelCallRecord, ToolCallRecord
 from harness.sessions import Ledger, Refused, check_messages, check_settings
 from harness.static_check import check_source
 
-__all__ = ["Executor", "ExecutorConfig", "SandboxUnavailable", "gold_in_prompts"]
-gold_in_prompts = audits.gold_in_prompts
+__all__ = ["Executor", "ExecutorConfig", "SandboxUnavailable"]
 
 _MAX_ZYGOTE_RESTARTS = 3
 _FAILURES = frozenset(
@@ -49,7 +48,6 @@ _DONE_STOP = {
     "output_limit": "output_limit",
     "memory": "memory_limit",
     "exception": "error",
-    "load": "harness_load",
 }
 
 
@@ -285,10 +283,10 @@ class _Run:
                     getattr(self, f"on_{kind}")(ep, frame)
         except ipc.FrameError as e:
             with self.lock:
-                self.kill(ep, "protocol_error", f"protocol: {e}"[:500])
+                self.finish(ep, "protocol_error", error=f"protocol: {e}"[:500])
         except Exception as e:  # a frame the trusted side could not take costs its episode
             with self.lock:
-                self.kill(ep, "protocol_error", f"protocol: {type(e).__name__}: {e}"[:500])
+                self.finish(ep, "protocol_error", error=f"protocol: {type(e).__name__}: {e}"[:500])
 
     def drain_events(self) -> None:
         while True:
@@ -346,9 +344,9 @@ class _Run:
                     continue
                 if ep.waiting == 0 and now - ep.busy_since > b.step_s:
                     msg = f"no request for {b.step_s:.1f}s (hang or long computation)"
-                    self.kill(ep, "timeout", msg)
+                    self.finish(ep, "timeout", error=msg)
                 elif now - ep.started > b.wall_s:
-                    self.kill(ep, "timeout", f"episode over {b.wall_s:.1f}s")
+                    self.finish(ep, "timeout", error=f"episode over {b.wall_s:.1f}s")
 
     # ---- episode lifecycle ---------------------------------------------------------------------
 
@@ -372,9 +370,6 @@ class _Run:
                 ep.sock = None
             if self.zygote is not None and ep.exit_reason is None:
                 self.zygote.stop(ep.key)
-
-    def kill(self, ep: _Ep, stop: str, error: str) -> None:
-        self.finish(ep, stop, error=error)
 
     def on_eof(self, ep: _Ep) -> None:
         if ep.state != "running":
@@ -405,10 +400,10 @@ class _Run:
                 pass
         with self.lock:
             if ep.attempt == attempt and ep.state == "running" and ep.eof_at is None:
-                self.kill(
+                self.finish(
                     ep,
                     "timeout",
-                    f"episode did not read its replies for {self.cfg.send_timeout_s:.0f}s",
+                    error=f"episode did not read its replies for {self.cfg.send_timeout_s:.0f}s",
                 )
 
     def reply_error(self, ep: _Ep, rid: int, kind: str, error: str) -> None:
@@ -420,8 +415,10 @@ class _Run:
 
     def refuse(self, ep: _Ep, rid: int, refused: Refused) -> None:
         if ep.ledger.refuse(refused):  # a harness that ignores refusals is a runaway: stop it
-            self.kill(
-                ep, f"budget:{refused.budget}", f"kept calling after refusal: {refused.detail}"
+            self.finish(
+                ep,
+                f"budget:{refused.budget}",
+                error=f"kept calling after refusal: {refused.detail}",
             )
             return
         self.reply_error(ep, rid, "budget", refused.detail)

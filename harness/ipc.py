@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import socket
 import struct
 import threading
@@ -67,7 +68,7 @@ def _any(v: Any) -> bool:
 
 _RID = _int(0, 1 << 40)
 _KEY = _text(64)
-_DONE_KINDS = ("ok", "exception", "budget", "memory", "output_limit", "violation", "load")
+_DONE_KINDS = ("ok", "exception", "budget", "memory", "output_limit", "violation")
 
 # kind -> {field: (required, check)}. "t" (the kind) is implicit in every frame.
 EPISODE_TO_EXECUTOR: dict[str, dict[str, tuple[bool, Callable[[Any], bool]]]] = {
@@ -231,8 +232,6 @@ class Channel:
             pass
         while self.fds:
             try:
-                import os
-
                 os.close(self.fds.popleft())
             except OSError:
                 pass

@@ -87,8 +87,7 @@ print(" ".join(found))
 # The static check passes this, yet it reads any attribute by a computed name: a class whose
 # metaclass accepts every instance and whose __match_args__ names the attribute. It reaches the
 # episode runtime's module globals (real os, the socket module through ipc) and tries every way out.
-MATCH_TRICK = (
-    """
+GRAB = """
 D = "_" * 2
 Meta = type("Meta", (type,), {D + "instancecheck" + D: lambda cls, obj: True})
 
@@ -98,7 +97,10 @@ def grab(obj, name):
     match obj:
         case C(v):
             return v
-
+"""
+MATCH_TRICK = (
+    GRAB
+    + """
 
 def run(task, model, tools):
     g = grab(grab(type(model), "chat"), D + "globals" + D)
@@ -111,17 +113,9 @@ def run(task, model, tools):
 )
 
 # The audit hook's lists rebound through the same trick (and plainly, with the layers off).
-AUDIT_REBIND = """
-D = "_" * 2
-Meta = type("Meta", (type,), {D + "instancecheck" + D: lambda cls, obj: True})
-
-
-def grab(obj, name):
-    C = Meta("C", (), {D + "match" + "_args" + D: (name,)})
-    match obj:
-        case C(v):
-            return v
-
+AUDIT_REBIND = (
+    GRAB
+    + """
 
 def run(task, model, tools):
     g = grab(grab(type(model), "chat"), D + "globals" + D)
@@ -132,6 +126,7 @@ def run(task, model, tools):
     fd = g["os"].open("/etc/passwd", 0)
     return "ESCAPED " + g["os"].read(fd, 100).decode()
 """
+)
 
 # fcntl is not preloaded by the zygote: where the interpreter's files are unreadable to an episode's
 # uid (Landlock mode as root with a private install) it cannot be imported, and that is fine.

@@ -25,6 +25,7 @@ from harness.search.proposers.llm import (
     Verdict,
     api_key_from_env,
     parse_retry_after,
+    retryable_status,
 )
 
 DEFAULT_BASE_URL = "https://generativelanguage.googleapis.com/"
@@ -127,7 +128,7 @@ class GeminiProposer(ToolLoopProposer):
             if hint is None:
                 hint = _retry_delay_s(exc.details)
             return Verdict(
-                retryable=code in (408, 429) or code >= 500,
+                retryable=retryable_status(code),
                 what=f"HTTP {code} {exc.status or ''} from {self.base_url}: {exc.message}"[:400],
                 retry_after_s=hint,
             )

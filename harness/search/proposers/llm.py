@@ -155,6 +155,11 @@ def backoff_s(retry: int, rng: random.Random, retry_after_s: float | None = None
     return delay
 
 
+def retryable_status(code: int) -> bool:
+    """Request timeout, rate limit and server errors are worth another try; other statuses not."""
+    return code in (408, 429) or code >= 500
+
+
 def parse_retry_after(value: str | None) -> float | None:
     """A ``Retry-After`` header in seconds (the HTTP-date form is ignored)."""
     try:

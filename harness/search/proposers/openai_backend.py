@@ -24,6 +24,7 @@ from harness.search.proposers.llm import (
     parse_arguments,
     parse_retry_after,
     result_text,
+    retryable_status,
 )
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -83,7 +84,7 @@ class OpenAIProposer(ToolLoopProposer):
             code = exc.status_code
             what = f"HTTP {code} from {self.base_url}: {exc.message}"
             return Verdict(
-                retryable=code in (408, 429) or code >= 500,
+                retryable=retryable_status(code),
                 what=what[:400],
                 retry_after_s=parse_retry_after(exc.response.headers.get("retry-after")),
             )
