@@ -38,8 +38,9 @@ fixtures: $(TORCH_STAMP)
 bench: $(TORCH_STAMP)
 	$(PY) benchmarks/bench_model.py
 
+# The WHALE loop on its offline default (experiments/demo.flags); rerunning resumes or reprints.
 demo: $(STAMP)
-	$(PY) -m whale_jax.generate --model=smollm2 --prompt="What is the capital of France?"
+	$(PY) -m whale_jax.main --flagfile=experiments/demo.flags
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -61,6 +61,11 @@ class SearchConfig:
         return self.iterations if self.schedule == "fixed" else self.max_proposals + 1
 
 
+class PhaseInterrupted(Exception):
+    """``interrupt()`` said stop (e.g. preemption); the archive holds everything done so far and a
+    new ``HarnessPhase`` on the same directory resumes from it."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class PhaseResult:
     accepted: Candidate
@@ -90,6 +95,7 @@ class HarnessPhase:
         config: SearchConfig = SearchConfig(),
         weights: dict[str, Any] | None = None,
         log: Callable[[str], None] = print,
+        interrupt: Callable[[], bool] = lambda: False,
     ):
         self.archive, self.domain, self.executor = archive, domain, executor
         self.tasks = list(search_tasks)
@@ -97,12 +103,15 @@ class HarnessPhase:
         self.weights = dict(weights or {})
         self.phase: Phase = archive.phase(index)
         self.log = log
+        self.interrupt = interrupt
         self.trial_episodes = 0
 
     # ---- evaluation --------------------------------------------------------------------------
 
     def evaluate(self, cand: Candidate, incoming: str | None) -> None:
         """Audit (proposals only) and score one candidate; writes its verdict to the archive."""
+        if self.interrupt():
+            raise PhaseInterrupted(f"{self.phase.root}: interrupted before {cand.name}")
         if incoming is not None:
             verdict = validate(cand.source, domain=self.domain, incoming=incoming,
                                search_tasks=self.tasks, executor=self.executor,
@@ -166,6 +175,8 @@ class HarnessPhase:
                 break
             if it in logged:
                 continue
+            if self.interrupt():
+                raise PhaseInterrupted(f"{self.phase.root}: interrupted before iteration {it}")
             t0 = time.monotonic()
             mine = [c for c in self.phase.candidates() if c.iteration == it]
             problems: list[str] = []

@@ -1,0 +1,62 @@
+"""Shared pieces of the loop tests: a tiny random dense model that carries SmolLM2's real tokenizer
+and chat template (so the whole program runs, fast), and the flags of a small run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY_HF = {
+    "model_type": "llama", "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from whale_jax.config import ModelConfig
+    from whale_jax.gguf_io import find_smollm2_gguf
+    from whale_jax.loading import random_model
+    from whale_jax.tokenizer_gguf import tokenizer_from_gguf
+    from whale_jax.weights import save_hf
+
+    out = tmp_path_factory.mktemp("tiny_smol")
+    model = random_model(ModelConfig.from_hf(TINY_HF), seed=0)
+    save_hf(model, out, TINY_HF)
+    tokenizer_from_gguf(find_smollm2_gguf()).save_pretrained(str(out))
+    (out / "config.json").write_text(json.dumps(TINY_HF))
+    return str(out)
+
+
+def small_run_flags(run_dir: str, model: str, **overrides) -> list[str]:
+    """A whole WHALE run in seconds: W(2 steps) H(2 iterations) W(2 steps) on arith."""
+    flags = {
+        "run_dir": run_dir, "model": model, "domain": "arith", "method": "whale",
+        "train_size": 8, "prompt_batch": 4, "samples": 2, "minibatch_episodes": 4,
+        "epochs": 2, "weight_epochs": 1, "harness_iterations": 2, "slots": 1, "audit_tasks": 1,
+        "search_size": 4, "validation_size": 4, "test_size": 4, "eval_samples": 2,
+        "eval_every_epochs": 0.5, "engine_slots": 8, "max_len": 128, "max_new_tokens": 8,
+        "seq_len": 128, "micro_tokens": 512, "remat": "false", "lr": 1e-4,
+        "checkpoint_every_steps": 1, "checkpoint_keep": 2, "progress": "false",
+    }  # fmt: skip
+    flags.update(overrides)
+    return [f"--{k}={v}" for k, v in flags.items()]
+
+
+def main_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "whale_jax.main", *args]
+
+
+def run_main(args: list[str], timeout: float = 280) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(main_command(args), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip

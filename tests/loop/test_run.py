@@ -1,0 +1,146 @@
+"""The WHALE program end to end, as users run it (``python -m whale_jax.main``): a whole run,
+kill -9 at several points then restart, SIGTERM, a changed config on resume. A tiny random model
+with SmolLM2's real tokenizer keeps each start to seconds; the learning run is in test_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.loop.conftest import REPO, main_command, run_main, small_run_flags
+
+
+def metric_lines(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(x) for x in f.read().splitlines() if x.strip()]
+
+
+def shape(lines: list[dict]) -> list[tuple]:
+    """What must not change with interruptions: the sequence of (kind, step, harness, phase)."""
+    return [(x["kind"], x["step"], x["harness"], x.get("phase_kind"), x.get("reason"))
+            for x in lines]  # fmt: skip
+
+
+def archive_listing(run_dir: str) -> list[str]:
+    root = os.path.join(run_dir, "archive")
+    out = []
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in (".discarded", "proposals")]
+        for name in files:
+            out.append(os.path.relpath(os.path.join(dirpath, name), root))
+    return sorted(out)
+
+
+def start(args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.Popen(main_command(args), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def wait_for_lines(proc: subprocess.Popen, run_dir: str, n: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while len(metric_lines(run_dir)) < n:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"run ended before {n} metric lines:\n{proc.stdout.read()[-3000:]}"
+            )
+        assert time.monotonic() < deadline, "timed out waiting for the run"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, tiny_model_dir):
+    run_dir = str(tmp_path_factory.mktemp("baseline") / "run")
+    done = run_main(small_run_flags(run_dir, tiny_model_dir))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir, done.stdout
+
+
+def test_a_whole_run(baseline, tiny_model_dir):
+    run_dir, out = baseline
+    lines = metric_lines(run_dir)
+    kinds = [x["kind"] for x in lines]
+    assert kinds[0] == "start" and kinds[-1] == "end"
+    assert [x["step"] for x in lines if x["kind"] == "rsft"] == [1, 2, 3, 4]
+    assert [x["phase_kind"] for x in lines if x["kind"] == "phase_end"] == [
+        "weight", "harness", "weight"]  # fmt: skip
+    evals = [x for x in lines if x["kind"] == "eval"]
+    assert evals[0]["step"] == 0 and {"test", "validation"} <= set(evals[0])
+    assert lines[-1]["cost"]["weight_episodes"] == 4 * 4 * 2
+    assert lines[-1]["cost"]["harness_episodes"] >= 4  # the incoming harness on 4 search tasks
+    assert lines[-1]["cost"]["proposer_calls"] == 1
+    assert "run directory" in out and "report:" in out
+    assert os.path.exists(os.path.join(run_dir, "report", "report.md"))
+    assert os.path.exists(os.path.join(run_dir, "report", "mean_at_k.png"))
+    assert os.listdir(os.path.join(run_dir, "tensorboard"))
+    phase = os.path.join(run_dir, "archive", "phase-001")
+    assert os.path.exists(os.path.join(phase, "accepted.json"))
+    # Finished runs stay finished: a rerun does no work.
+    again = run_main(small_run_flags(run_dir, tiny_model_dir))
+    assert again.returncode == 0 and "already finished" in again.stdout
+    assert len(metric_lines(run_dir)) == len(lines)
+
+
+def test_changed_config_on_resume_is_refused(baseline, tiny_model_dir):
+    run_dir, _ = baseline
+    refused = run_main(small_run_flags(run_dir, tiny_model_dir, lr=3e-4))
+    assert refused.returncode == 2
+    assert "another configuration" in refused.stderr and "learning_rate" in refused.stderr
+    assert "--allow_config_change" in refused.stderr
+
+
+def test_kill_9_at_several_points_then_resume(baseline, tiny_model_dir, tmp_path):
+    base_dir, _ = baseline
+    run_dir = str(tmp_path / "run")
+    args = small_run_flags(run_dir, tiny_model_dir)
+    total = len(metric_lines(base_dir))
+    for n in (
+        3,
+        total // 2,
+        total - 3,
+    ):  # after the first steps, in the harness phase, near the end
+        proc = start(args)
+        wait_for_lines(proc, run_dir, n)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    done = run_main(args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "resumed from checkpoint" in done.stdout
+    lines = metric_lines(run_dir)
+    assert shape(lines) == shape(metric_lines(base_dir))  # nothing lost, nothing twice
+    assert archive_listing(run_dir) == archive_listing(base_dir)
+
+
+def test_sigterm_saves_and_the_rerun_finishes(tiny_model_dir, tmp_path):
+    """One long weight phase without periodic saves: SIGTERM after the first step stops before the
+    next one, saves (the last save's duration fits the grace) and exits 143; the rerun resumes
+    from that save without dropping or repeating a line."""
+    run_dir = str(tmp_path / "run")
+    args = small_run_flags(run_dir, tiny_model_dir, weight_epochs=2, eval_every_epochs=0,
+                           checkpoint_every_steps=0, checkpoint_every_minutes=0,
+                           preemption_grace_s=600)  # fmt: skip
+    proc = start(args)
+    wait_for_lines(proc, run_dir, 3)  # start, eval, rsft 1
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out[-3000:]
+    assert "preempted: saved checkpoint" in out
+    stopped_at = [x["step"] for x in metric_lines(run_dir) if x["kind"] == "rsft"]
+    assert 1 <= len(stopped_at) < 4
+    done = run_main(args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (
+        f"step {stopped_at[-1]}," in done.stdout
+        and "0 metric lines after it dropped" in done.stdout
+    )
+    lines = metric_lines(run_dir)
+    assert [x["step"] for x in lines if x["kind"] == "rsft"] == [1, 2, 3, 4]
+    assert [x["kind"] for x in lines].count("start") == 1

@@ -1,0 +1,260 @@
+"""The WHALE run's configuration: one frozen tree of dataclasses, built by ``whale_jax.main`` from
+absl flags (the only place flags exist) and by tests directly.
+
+The tree reuses the parts' own configs (``RSFTConfig``, ``TrainConfig``/``OptimConfig``,
+``SearchConfig``/``ValidationConfig``) and adds what only the loop needs: data, model and engine,
+schedule, evaluation, checkpoints, the proposer and reporting. ``validate`` checks the whole tree
+for contradictions before any work starts and names the flag at fault; ``config_hash`` is what a
+resumed run must match (operational fields such as paths, checkpoint frequency and progress bars
+may change between restarts and are left out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import Any
+
+from harness.search.phase import SearchConfig
+from whale_jax.train.rsft import RSFTConfig
+from whale_jax.train.trainer import TrainConfig
+
+DOMAINS = ("arith", "math", "searchqa", "chess")
+METHODS = ("whale", "weight-only", "harness-only", "fast-slow", "stagewise")
+SCHEDULES = ("fixed", "adaptive")
+PROPOSERS = ("offline", "gemini", "openai", "command")
+
+
+class ConfigError(ValueError):
+    """A flag (named in the message) is missing, malformed or contradicts another."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    domain: str = "arith"
+    # Where ``python -m whale_jax.fetch_data`` put the real data ("": the domain's offline tasks).
+    data_dir: str = ""
+    split_seed: int = 0  # fixes every split (a keyed hash of each task's identity)
+    train_size: int = 0  # weight-training tasks (0: all that remain after the other splits)
+    search_size: int = 256  # harness-search split (the paper: 256)
+    validation_size: int = 256  # chooses the weights/harness pair; never read by switching
+    test_size: int = 256  # generated/offline domains and chess (math: AIME; searchqa: 7 sets)
+    test_per_source: int = 100  # searchqa: periodic test tasks per benchmark (0: all)
+    arith_difficulty: int = 1
+    arith_pool: int = 2000  # generated arith problems before splitting
+    retriever_url: str = ""  # searchqa: a Search-R1 retrieval server ("": BM25 in process)
+    math_verify: bool = False  # math: fall back to math-verify when the boxed string differs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSettings:
+    model: str = "smollm2"  # a directory, .gguf, hub id or "smollm2" (see whale_jax.loading)
+    dtype: str = "float32"  # engine weights and activations
+    engine_slots: int = 64
+    max_len: int = 2048  # tokens per engine slot (prompt + completion of one call)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 20
+    max_new_tokens: int = 1024
+    concurrency: int = 0  # episodes in flight (0: twice the engine slots)
+    sandbox: str = ""  # strict | shared_uid | landlock ("": $WHALE_SANDBOX or strict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    method: str = "whale"
+    schedule: str = "fixed"
+    epochs: float = 6.0  # weight-training budget in epochs of the weight-training split
+    weight_epochs: float = 0.6  # E: one weight phase (fixed schedule)
+    harness_iterations: int = 6  # I: iterations per harness phase, the incoming one counted
+    # Adaptive weight phase, in epochs (converted to steps, at least 1): the sliding-window mean
+    # training reward (window W) must set a phase-best within P steps once B steps are done.
+    window_epochs: float = 0.2
+    burn_in_epochs: float = 0.2
+    patience_epochs: float = 0.2
+    harness_phases: int = 0  # harness-only: phases (0: as many as WHALE's fixed schedule has)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    samples: int = 8  # mean@k (8: the paper's mean@8)
+    every_epochs: float = 0.1  # periodic evaluation in weight phases (0: boundaries only)
+    test: bool = True
+    validation: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    directory: str = ""  # "": <run_dir>/checkpoints; gs://bucket/path works (see docs)
+    keep: int = 2  # the last N, plus the validation-best
+    every_steps: int = 0  # also save every N RSFT steps (0: only phase ends and time)
+    every_minutes: float = 30.0  # also save when this long has passed since the last save
+    preemption_grace_s: float = 25.0  # SIGTERM: save only if a save fits in what is left of it
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProposerConfig:
+    kind: str = "offline"
+    model: str = ""  # gemini / openai model name
+    base_url: str = ""  # openai-compatible endpoint ("": the provider's)
+    api_key_env: str = ""  # the variable holding the key ("": GEMINI_API_KEY / OPENAI_API_KEY)
+    command: str = ""  # command proposer template with {prompt} or {prompt_file}
+    timeout_s: float = 1800.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    run_dir: str = "runs/run"
+    seed: int = 0
+    initial_harness: str = ""  # a harness file to start from ("": the domain's seed h0)
+    data: DataConfig = DataConfig()
+    model: ModelSettings = ModelSettings()
+    rsft: RSFTConfig = RSFTConfig()
+    train: TrainConfig = TrainConfig()
+    search: SearchConfig = SearchConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    proposer: ProposerConfig = ProposerConfig()
+    report: bool = True  # Markdown + PNG report at the end
+    tensorboard: bool = True
+    progress: bool = True  # progress bars on stderr
+
+    @property
+    def trains(self) -> bool:
+        return self.schedule.method != "harness-only"
+
+    @property
+    def searches(self) -> bool:
+        return self.schedule.method != "weight-only"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.directory or f"{self.run_dir.rstrip('/')}/checkpoints"
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+
+# Fields that may differ on resume: where things live and how often/loudly the run reports.
+OPERATIONAL = (
+    "run_dir",
+    "checkpoint.directory",
+    "checkpoint.keep",
+    "checkpoint.every_steps",
+    "checkpoint.every_minutes",
+    "checkpoint.preemption_grace_s",
+    "report",
+    "tensorboard",
+    "progress",
+    "proposer.timeout_s",
+    "proposer.api_key_env",
+    "model.concurrency",
+    "model.sandbox",
+)
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple | list):
+        return [_plain(x) for x in obj]
+    return obj
+
+
+def strip_operational(d: dict[str, Any]) -> dict[str, Any]:
+    """A config dict without the fields that may change on resume (a copy)."""
+    d = json.loads(json.dumps(d))
+    for dotted in OPERATIONAL:
+        *parents, leaf = dotted.split(".")
+        node = d
+        for p in parents:
+            node = node.get(p, {})
+        node.pop(leaf, None)
+    return d
+
+
+def hashed_view(config: RunConfig) -> dict[str, Any]:
+    return strip_operational(config.to_dict())
+
+
+def config_hash(config: RunConfig) -> str:
+    text = json.dumps(hashed_view(config), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every differing leaf (for the refusal message on resume)."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, name + ".")
+        elif a != b:
+            out.append(f"{name}: {a!r} -> {b!r}")
+    return out
+
+
+def steps_for(epochs: float, split_size: int, prompt_batch: int) -> int:
+    """Epochs of the weight-training split as RSFT steps (prompt batches), at least 1."""
+    return max(1, math.ceil(epochs * split_size / prompt_batch - 1e-9))
+
+
+def validate(config: RunConfig) -> None:
+    """Contradictions and impossible values, each naming its flag (``--name``)."""
+    d, s, m, e, c, p = (config.data, config.schedule, config.model, config.eval,
+                        config.checkpoint, config.proposer)  # fmt: skip
+
+    def need(ok: bool, flag: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"--{flag}: {why}")
+
+    need(d.domain in DOMAINS, "domain", f"{d.domain!r} is not one of {', '.join(DOMAINS)}")
+    need(s.method in METHODS, "method", f"{s.method!r} is not one of {', '.join(METHODS)}")
+    need(s.schedule in SCHEDULES, "schedule", f"{s.schedule!r}: expected fixed or adaptive")
+    need(p.kind in PROPOSERS, "proposer", f"{p.kind!r} is not one of {', '.join(PROPOSERS)}")
+    need(s.epochs > 0, "epochs", "the weight-training budget must be positive")
+    if s.schedule == "adaptive":
+        need(s.method in ("whale", "fast-slow"), "schedule",
+             f"adaptive switching needs alternation; --method={s.method} does not alternate")  # fmt: skip
+        for name in ("window_epochs", "burn_in_epochs", "patience_epochs"):
+            need(getattr(s, name) > 0, f"adaptive_{name.removesuffix('_epochs')}",
+                 "must be positive (in epochs)")  # fmt: skip
+    else:
+        need(s.weight_epochs > 0, "weight_epochs", "the fixed schedule needs E > 0")
+        need(s.harness_iterations >= 1, "harness_iterations", "the fixed schedule needs I >= 1")
+    if s.method in ("whale", "fast-slow") and s.schedule == "fixed":
+        need(s.weight_epochs <= s.epochs, "weight_epochs",
+             f"E = {s.weight_epochs} is longer than the whole budget --epochs={s.epochs}")  # fmt: skip
+    need(s.harness_phases >= 0, "harness_phases", "must be >= 0")
+    if s.harness_phases and s.method != "harness-only":
+        raise ConfigError("--harness_phases: only for --method=harness-only (the others derive "
+                          "their harness phases from the schedule)")  # fmt: skip
+    need(e.samples >= 1, "eval_samples", "must be at least 1")
+    need(e.every_epochs >= 0, "eval_every_epochs", "must be >= 0")
+    need(m.engine_slots >= 1, "engine_slots", "must be at least 1")
+    need(m.max_new_tokens >= 1, "max_new_tokens", "must be at least 1")
+    need(m.max_new_tokens < m.max_len, "max_new_tokens",
+         f"{m.max_new_tokens} leaves no room for a prompt in --max_len={m.max_len}")  # fmt: skip
+    need(m.dtype in ("float32", "bfloat16"), "dtype", "float32 or bfloat16")
+    need(m.sandbox in ("", "strict", "shared_uid", "landlock"), "sandbox",
+         f"{m.sandbox!r}: strict, shared_uid or landlock")  # fmt: skip
+    need(m.temperature >= 0 and 0 < m.top_p <= 1 and m.top_k >= 0, "temperature",
+         "sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0")  # fmt: skip
+    need(c.keep >= 1, "checkpoint_keep", "keep at least one checkpoint")
+    need(d.search_size >= 1, "search_size", "the harness-search split needs tasks")
+    need(d.validation_size >= 0 and d.test_size >= 0, "validation_size", "sizes must be >= 0")
+    if e.validation:
+        need(d.validation_size >= 1, "validation_size",
+             "validation evaluation is on (--eval_validation) but the split is empty")  # fmt: skip
+    if config.searches and p.kind in ("gemini", "openai"):
+        need(bool(p.model), "proposer_model", f"--proposer={p.kind} needs a model name")
+    if config.searches and p.kind == "command":
+        need("{prompt}" in p.command or "{prompt_file}" in p.command, "proposer_command",
+             "the template needs {prompt} or {prompt_file} where the task goes")  # fmt: skip
+    if d.domain == "searchqa" and d.retriever_url and not d.retriever_url.startswith("http"):
+        raise ConfigError(f"--retriever_url: {d.retriever_url!r} is not an http(s) URL")
+    need(d.arith_difficulty >= 1, "arith_difficulty", "levels start at 1")

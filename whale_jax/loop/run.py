@@ -1,0 +1,578 @@
+"""The WHALE loop: weight phases (RSFT under the accepted harness) and harness phases
+(Meta-Harness search under the latest weights), alternating as the method and schedule say
+(``schedule.py``), with mean@k evaluation, cost accounting, Orbax checkpoints and resume.
+
+One engine, one executor and one trainer serve the whole run; the weight trajectory (weights,
+AdamW state, data cursor, step count) is continuous across cycles. The run directory layout is in
+docs/loop.md.
+
+Resume: a run directory with a checkpoint continues from it (the same flags; a changed config is
+refused unless ``allow_config_change``): the metrics file is cut back to the checkpointed line,
+harness phases the checkpoint has not reached are moved aside, a harness phase in progress
+resumes from its archive without re-evaluating finished candidates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from harness.domains.base import Task
+from harness.executor import Executor, ExecutorConfig
+from harness.jail import Policy
+from harness.model_api import SamplingSettings
+from harness.records import EpisodeRecord
+from harness.search.archive import Archive, read_json, write_atomic, write_json
+from harness.search.phase import HarnessPhase, PhaseInterrupted
+from harness.search.skills import skill_text
+from whale_jax.loop import schedule as sched
+from whale_jax.loop.checkpoint import Checkpoints
+from whale_jax.loop.config import (
+    ConfigError,
+    RunConfig,
+    config_diff,
+    config_hash,
+    hashed_view,
+    strip_operational,
+)
+from whale_jax.loop.data import DomainData, load_domain_data
+from whale_jax.loop.metrics import MetricsLog, Progress, TensorBoard
+from whale_jax.train.rsft import DataCursor, rsft_step
+
+PREEMPTED_EXIT = 143  # 128 + SIGTERM: "stopped by preemption; rerun the same command to resume"
+
+COUNTERS = (
+    "weight_episodes", "weight_tokens", "weight_s",
+    "harness_episodes", "harness_tokens", "harness_s",
+    "eval_episodes", "eval_tokens", "eval_s",
+    "proposer_calls", "proposer_tokens",
+)  # fmt: skip
+
+
+class Preempted(Exception):
+    """SIGTERM arrived; the run saved what it could and stops."""
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Everything the loop needs to continue, checkpointed as JSON beside the weights."""
+
+    config_hash: str
+    seed: int
+    step: int = 0  # RSFT steps done
+    trainer_step: int = 0  # optimizer updates applied
+    phases: list[str] = dataclasses.field(default_factory=list)  # finished phases, in order
+    phase: str | None = None  # the phase in progress (or next to start)
+    phase_start: int = 0  # RSFT step at which the current weight phase began
+    phase_rewards: list[float] = dataclasses.field(default_factory=list)  # its steps' rewards
+    harness: dict[str, Any] = dataclasses.field(default_factory=dict)  # accepted: id, path
+    cursor: dict[str, int] = dataclasses.field(default_factory=dict)
+    counters: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(COUNTERS, 0)
+    )
+    best: dict[str, Any] = dataclasses.field(default_factory=dict)
+    evals: int = 0
+    last_eval: list[Any] = dataclasses.field(default_factory=list)  # [step, harness id]
+    metrics_lines: int = 0
+    checkpoint: int = 0  # index of the save this state was written into
+    best_checkpoint: int | None = None
+    done: bool = False
+    wall_s: float = 0.0  # run time over all process starts
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LoopState:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+
+def mean_at_k(records: list[EpisodeRecord], tasks: list[Task]) -> float:
+    """Per task the mean reward over its episodes, averaged over tasks."""
+    by: dict[str, list[float]] = {}
+    for r in records:
+        by.setdefault(r.task_id, []).append(r.reward)
+    scores = [sum(by[t.id]) / len(by[t.id]) for t in tasks if t.id in by]
+    return sum(scores) / len(scores) if scores else 0.0
+
+
+class CountingProposer:
+    """Counts a proposer's calls and, for LLM proposers, the tokens their last call reported."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, getattr(inner, "name", "proposer")
+        self.calls = self.tokens = 0
+
+    def propose(self, request):
+        try:
+            return self.inner.propose(request)
+        finally:
+            self.calls += 1
+            usage = getattr(self.inner, "last_usage", None) or {}
+            self.tokens += int(usage.get("prompt_tokens", 0)) + int(
+                usage.get("completion_tokens", 0)
+            )
+
+
+def build_proposer(config: RunConfig):
+    p = config.proposer
+    if p.kind == "offline":
+        from harness.search.proposers.offline import OfflineProposer
+
+        return OfflineProposer(seed=config.seed)
+    if p.kind == "gemini":
+        from harness.search.proposers.gemini_backend import GeminiProposer
+
+        return GeminiProposer(model=p.model, api_key_env=p.api_key_env or "GEMINI_API_KEY",
+                              base_url=p.base_url or None, timeout_s=p.timeout_s,
+                              seed=config.seed)  # fmt: skip
+    if p.kind == "openai":
+        from harness.search.proposers.openai_backend import OpenAIProposer
+
+        return OpenAIProposer(model=p.model, base_url=p.base_url or None,
+                              api_key_env=p.api_key_env or "OPENAI_API_KEY",
+                              timeout_s=p.timeout_s, seed=config.seed)  # fmt: skip
+    from harness.search.proposers.command import CommandProposer
+
+    return CommandProposer(p.command, timeout_s=p.timeout_s)
+
+
+class WhaleRun:
+    """``WhaleRun(config).run()``; ``log`` receives one line per event (stdout by default)."""
+
+    def __init__(self, config: RunConfig, *, log: Callable[[str], None] | None = None):
+        self.config = config
+        self.root = config.run_dir
+        self._print = log or (lambda s: print(s, flush=True))
+        self._term_at: float | None = None
+        self._t_start = time.monotonic()
+        self._last_save = time.monotonic()
+        self._dirty = False
+
+    # ---- small helpers -------------------------------------------------------------------------
+
+    def say(self, msg: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        self._print(f"[{stamp}] {msg}")
+        with open(os.path.join(self.root, "run.log"), "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {msg}\n")
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        s = self.state
+        wall = s.wall_s + time.monotonic() - self._t_start
+        record = {"kind": kind, "step": s.step, "epoch": round(self.cursor.epochs_done(len(self.data.train)), 6),
+                  "harness": s.harness.get("id"), "time": round(time.time(), 3), "wall_s": round(wall, 3),
+                  "cost": dict(s.counters), **fields}  # fmt: skip
+        self.metrics.write(record)
+        s.metrics_lines = self.metrics.lines
+        self._dirty = True
+        if self.tb is not None:
+            flat = {f"{kind}/{k}": v for k, v in fields.items() if isinstance(v, int | float)}
+            flat |= {f"cost/{k}": v for k, v in s.counters.items()}
+            self.tb.scalars(s.step, flat)
+        return record
+
+    def _on_term(self, signum, frame) -> None:
+        if self._term_at is None:
+            self._term_at = time.monotonic()
+            self._print("SIGTERM: stopping at the next safe point (saving if time allows)")
+
+    def _check_term(self) -> None:
+        if self._term_at is not None:
+            raise Preempted()
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        c = self.config
+        os.makedirs(self.root, exist_ok=True)
+        self.say(f"run directory {os.path.abspath(self.root)}")
+        self.data: DomainData = load_domain_data(c.data)
+        sizes = self.data.sizes()
+        self.say(f"{c.data.domain}: {self.data.source}; splits {sizes}"
+                 + (f"; {self.data.bad_rows} bad rows skipped" if self.data.bad_rows else ""))  # fmt: skip
+        self.plan = sched.make_plan(c, sizes["train"])
+        self.say(f"plan: {self.plan.total_steps} RSFT steps ({c.schedule.epochs} epochs of "
+                 f"{sizes['train']} tasks at batch {c.rsft.prompt_batch}), method {c.schedule.method}, "
+                 f"{c.schedule.schedule} schedule" +
+                 (f" (E = {self.plan.phase_steps} steps, I = {self.plan.iterations})"
+                  if c.schedule.schedule == "fixed" else ""))  # fmt: skip
+
+        import jax.numpy as jnp
+
+        from whale_jax.client import EngineClient
+        from whale_jax.loading import load_model
+
+        t0 = time.monotonic()
+        dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[c.model.dtype]
+        model, _, tokenizer = load_model(c.model.model, dtype=dtype)
+        if tokenizer is None:
+            raise ConfigError(f"--model={c.model.model}: the checkpoint ships no tokenizer")
+        self.client = EngineClient(model, tokenizer, slots=c.model.engine_slots,
+                                   max_len=c.model.max_len, seed=c.seed)  # fmt: skip
+        m = c.model
+        settings = SamplingSettings(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
+                                    max_new_tokens=m.max_new_tokens)  # fmt: skip
+        exec_config = ExecutorConfig(
+            concurrency=m.concurrency or 2 * m.engine_slots, default_settings=settings,
+            run_seed=c.seed, **({"sandbox": Policy(mode=m.sandbox)} if m.sandbox else {}),
+        )  # fmt: skip
+        self.executor = Executor(self.client, exec_config)
+        self.trainer = None
+        if c.trains:
+            from whale_jax.train.trainer import Trainer
+
+            self.trainer = Trainer(model, c.train)
+        self.say(f"model {c.model.model} loaded in {time.monotonic() - t0:.1f}s "
+                 f"({model.cfg.num_params() / 1e6:.1f}M parameters)")  # fmt: skip
+        self.archive = Archive(os.path.join(self.root, "archive"))
+        self.proposer = CountingProposer(build_proposer(c)) if c.searches else None
+        self.checkpoints = Checkpoints(c.checkpoint_dir, keep=c.checkpoint.keep, log=self.say)
+        self.metrics = MetricsLog(os.path.join(self.root, "metrics.jsonl"))
+
+    # ---- state: fresh or resumed ---------------------------------------------------------------
+
+    def _config_file(self) -> str:
+        return os.path.join(self.root, "config.json")
+
+    def start_or_resume(self, allow_config_change: bool) -> bool:
+        """Loads the newest readable checkpoint (True) or starts fresh (False)."""
+        c, h = self.config, config_hash(self.config)
+        restored = self.checkpoints.restore(self.trainer)
+        if restored is None:
+            if self.metrics.lines:
+                self.say(f"no checkpoint: starting over ({self.metrics.lines} metric lines of an "
+                         "unsaved start discarded)")  # fmt: skip
+                self.metrics.truncate(0)
+            self._discard_phases_after(0)
+            self.state = LoopState(config_hash=h, seed=c.seed)
+            self.state.harness = self._initial_harness()
+            self.cursor = DataCursor(seed=c.seed)
+            write_json(self._config_file(), {"hash": h, "config": c.to_dict()})
+            self.tb = TensorBoard(os.path.join(self.root, "tensorboard")) if c.tensorboard else None
+            return False
+        index, raw = restored
+        state = LoopState.from_dict(raw)
+        if state.config_hash != h:
+            old = read_json(self._config_file()) if os.path.exists(self._config_file()) else {}
+            diff = config_diff(strip_operational(old.get("config", {})), hashed_view(c))
+            if not allow_config_change:
+                raise ConfigError(
+                    f"{self.root}: this run was started with another configuration (checkpoint "
+                    f"{index}); changed: {'; '.join(diff) or 'unknown'}. Rerun with the original "
+                    "flags, choose a new --run_dir, or pass --allow_config_change to continue "
+                    "with the new settings"
+                )
+            self.say(f"config changed on resume (allowed): {'; '.join(diff)}")
+            state.config_hash = h
+            write_json(self._config_file(), {"hash": h, "config": c.to_dict()})
+        self.state = state
+        self.cursor = (
+            DataCursor.from_dict(state.cursor) if state.cursor else DataCursor(seed=c.seed)
+        )
+        dropped = self.metrics.truncate(state.metrics_lines)
+        self._discard_phases_after(state.phases.count(sched.HARNESS)
+                                   + (state.phase == sched.HARNESS))  # fmt: skip
+        if self.trainer is not None:
+            self.client.engine.set_params(self.trainer.model_state())
+        self.tb = (TensorBoard(os.path.join(self.root, "tensorboard"), resumed_step=state.step)
+                   if c.tensorboard else None)  # fmt: skip
+        self.say(f"resumed from checkpoint {index}: step {state.step}, phases done "
+                 f"{state.phases}, next {state.phase}; {dropped} metric lines after it dropped")  # fmt: skip
+        return True
+
+    def _initial_harness(self) -> dict[str, Any]:
+        path = self.config.initial_harness
+        if path:
+            if not os.path.isfile(path):
+                raise ConfigError(f"--initial_harness={path}: no such file")
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+            name = os.path.splitext(os.path.basename(path))[0]
+        else:
+            source, name = self.data.domain.seed_harness(), "h0"
+        rel = os.path.join("archive", "initial.py")
+        write_atomic(os.path.join(self.root, rel), source)
+        return {"id": name, "path": rel}
+
+    def _discard_phases_after(self, keep: int) -> None:
+        """Harness phases the checkpoint has not reached move to archive/.discarded/."""
+        for phase in self.archive.phases():
+            index = int(os.path.basename(phase.root).split("-")[1])
+            if index > keep:
+                dest = os.path.join(self.archive.root, ".discarded",
+                                    f"{os.path.basename(phase.root)}-{int(time.time())}")  # fmt: skip
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                shutil.move(phase.root, dest)
+                self.say(f"{phase.root}: after the checkpoint; moved to {dest}")
+
+    def harness_source(self) -> str:
+        with open(os.path.join(self.root, self.state.harness["path"]), encoding="utf-8") as f:
+            return f.read()
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, *, best: bool = False, wait: bool = False) -> None:
+        s = self.state
+        s.checkpoint += 1
+        if best:
+            s.best_checkpoint = s.checkpoint
+        s.cursor = self.cursor.to_dict()
+        s.trainer_step = self.trainer.step if self.trainer is not None else 0
+        s.wall_s += time.monotonic() - self._t_start
+        self._t_start = time.monotonic()
+        self.checkpoints.save(s.checkpoint, {**s.to_dict(), "trainer_step": s.trainer_step},
+                              self.trainer, best=s.best_checkpoint)  # fmt: skip
+        if wait:
+            self.checkpoints.wait()
+        self._last_save = time.monotonic()
+        self._dirty = False
+
+    def maybe_save(self) -> None:
+        ck = self.config.checkpoint
+        by_steps = ck.every_steps and self.state.step % ck.every_steps == 0
+        by_time = ck.every_minutes and time.monotonic() - self._last_save >= 60 * ck.every_minutes
+        if self._dirty and (by_steps or by_time):
+            self.save()
+
+    def save_on_preemption(self) -> None:
+        if not self._dirty:
+            self.say("preempted: nothing new since the last checkpoint")
+            return
+        need = self.checkpoints.estimate_s(self.trainer)
+        left = self.config.checkpoint.preemption_grace_s - (time.monotonic() - self._term_at)
+        if need > left:
+            self.say(f"preempted: no time to save (a save takes ~{need:.0f}s, {left:.0f}s left "
+                     "of the grace); the last complete checkpoint stands")  # fmt: skip
+            return
+        self.save(wait=True)
+        self.say(f"preempted: saved checkpoint {self.state.checkpoint}")
+
+    # ---- evaluation ----------------------------------------------------------------------------
+
+    def evaluate(self, reason: str) -> dict[str, Any] | None:
+        """mean@k on test and validation with the current weights and harness (once per pair)."""
+        s, c = self.state, self.config
+        key = [s.step, s.harness["id"]]
+        if s.last_eval == key or not (c.eval.test or c.eval.validation):
+            return None
+        t0 = time.monotonic()
+        source, k = self.harness_source(), c.eval.samples
+        out: dict[str, Any] = {"reason": reason}
+        for split in ("test", "validation"):
+            if not getattr(c.eval, split):
+                continue
+            tasks = getattr(self.data, split)
+            if not tasks:
+                continue
+            records = self.executor.run(source, self.data.domain, tasks, samples=k,
+                                        run_id=f"eval-{split}", step=-1 - s.step)  # fmt: skip
+            s.counters["eval_episodes"] += len(records)
+            s.counters["eval_tokens"] += sum(r.prompt_tokens + r.completion_tokens for r in records)
+            if split == "test" and self.data.domain.name == "searchqa":
+                groups = self.data.test_groups()
+                per = {g: mean_at_k(records, ts) for g, ts in groups.items()}
+                out["test_by_source"] = per
+                out["test"] = sum(per.values()) / len(per)  # the macro-average
+            else:
+                out[split] = mean_at_k(records, tasks)
+        s.counters["eval_s"] += time.monotonic() - t0
+        s.evals += 1
+        s.last_eval = key
+        new_best_val = self._update_best(out)
+        line = self.emit("eval", **{k_: v for k_, v in out.items()}, samples=k)
+        self.say(f"eval ({reason}, step {s.step}, harness {s.harness['id']}): mean@{k} "
+                 + ", ".join(f"{n} {out[n]:.3f}" for n in ("test", "validation") if n in out))  # fmt: skip
+        if new_best_val:
+            self.save(best=True)
+        return line
+
+    def _update_best(self, out: dict[str, Any]) -> bool:
+        s, b = self.state, self.state.best
+        where = {"step": s.step, "harness": s.harness["id"]}
+        if "test" in out and out["test"] > b.get("test", -1.0):
+            b["test"], b["test_at"] = out["test"], where
+        if "validation" in out and out["validation"] > b.get("validation", -1.0):
+            b["validation"], b["validation_at"] = out["validation"], where
+            b["test_at_validation_best"] = out.get("test")
+            return self.trainer is not None and s.step > 0
+        return False
+
+    # ---- phases --------------------------------------------------------------------------------
+
+    def weight_phase(self) -> None:
+        s, c, plan = self.state, self.config, self.plan
+        start_step = s.step
+        total = (min(plan.phase_steps, plan.total_steps - s.phase_start)
+                 if plan.alternates and plan.schedule == "fixed"
+                 else plan.total_steps - s.phase_start)  # fmt: skip
+        bar = Progress(total, f"weight phase {s.phases.count(sched.WEIGHT) + 1}",
+                       enabled=c.progress, unit="step")  # fmt: skip
+        bar.update(s.step - s.phase_start)
+        t0 = time.monotonic()
+        source = self.harness_source()
+        try:
+            while not sched.weight_phase_over(plan, step=s.step, phase_start=s.phase_start,
+                                              rewards=s.phase_rewards):  # fmt: skip
+                self._check_term()
+                metrics, records = rsft_step(
+                    s.step + 1, tasks=self.data.train, cursor=self.cursor, source=source,
+                    domain=self.data.domain, executor=self.executor, trainer=self.trainer,
+                    engine=self.client.engine, config=c.rsft,
+                )  # fmt: skip
+                s.step += 1
+                s.phase_rewards.append(metrics["mean_reward"])
+                s.counters["weight_episodes"] += metrics["episodes"]
+                s.counters["weight_tokens"] += (
+                    metrics["prompt_tokens"] + metrics["completion_tokens"]
+                )
+                s.counters["weight_s"] += time.monotonic() - t0
+                t0 = time.monotonic()
+                metrics.pop("step", None)
+                metrics.pop("epoch", None)
+                self.emit("rsft", **metrics)
+                bar.update(1, reward=f"{metrics['mean_reward']:.3f}", kept=metrics["kept"],
+                           episodes=int(s.counters["weight_episodes"]))  # fmt: skip
+                if plan.eval_every and s.step % plan.eval_every == 0:
+                    self.evaluate("periodic")
+                self.maybe_save()
+        finally:
+            bar.close()
+        self.say(f"weight phase done: steps {start_step + 1}..{s.step}" if s.step > start_step
+                 else "weight phase done")  # fmt: skip
+
+    def harness_phase(self) -> None:
+        s, c, plan = self.state, self.config, self.plan
+        index = s.phases.count(sched.HARNESS) + 1
+        search = dataclasses.replace(
+            c.search,
+            iterations=sched.harness_iterations(plan),
+            schedule=c.schedule.schedule if plan.alternates else "fixed",
+            validation=dataclasses.replace(c.search.validation,
+                                           prompt_only=plan.method == "fast-slow"),
+        )  # fmt: skip
+        bar = Progress(search.last_iteration, f"harness phase {index}", enabled=c.progress,
+                       unit="iteration")  # fmt: skip
+
+        def log(line: str) -> None:
+            self.say(f"harness phase {index}: {line}")
+            if line.startswith("iteration"):
+                bar.update(1)
+
+        phase = HarnessPhase(
+            archive=self.archive, index=index, domain=self.data.domain, executor=self.executor,
+            search_tasks=self.data.search, proposer=self.proposer,
+            skill=skill_text(self.data.domain.name), config=search,
+            weights={"step": s.step, "trainer_step": self.trainer.step if self.trainer else 0,
+                     "weights_version": self.client.engine.weights_version,
+                     "model": c.model.model},
+            log=log, interrupt=lambda: self._term_at is not None,
+        )  # fmt: skip
+        t0 = time.monotonic()
+        phase_source = self.harness_source()
+        calls0, tokens0 = self.proposer.calls, self.proposer.tokens
+        try:
+            result = phase.run(phase_source)
+        except PhaseInterrupted as e:
+            raise Preempted() from e
+        finally:
+            bar.close()
+        cands = result.candidates
+        episodes = sum(x.summary["n"] for x in cands if x.summary) + phase.trial_episodes
+        tokens = sum(x.summary["prompt_tokens"] + x.summary["completion_tokens"]
+                     for x in cands if x.summary)  # fmt: skip
+        s.counters["harness_episodes"] += episodes
+        s.counters["harness_tokens"] += tokens
+        s.counters["harness_s"] += time.monotonic() - t0
+        s.counters["proposer_calls"] += self.proposer.calls - calls0
+        s.counters["proposer_tokens"] += self.proposer.tokens - tokens0
+        name = os.path.basename(phase.phase.root)
+        if result.accepted.source != phase_source:  # the incoming harness keeps its id
+            s.harness = {"id": f"{name}/{result.accepted.name}",
+                         "path": os.path.join("archive", name, "accepted.py")}  # fmt: skip
+        self.emit("harness_phase", phase=index, accepted=s.harness["id"],
+                  success_rate=result.accepted.summary["success_rate"],
+                  mean_turns=result.accepted.summary["mean_turns"], frontier=result.frontier,
+                  candidates=len(cands), valid=sum(1 for x in cands if x.valid),
+                  iterations=len(phase.phase.iterations()), episodes=episodes,
+                  interval=result.detail.get("interval"))  # fmt: skip
+
+    # ---- the run -------------------------------------------------------------------------------
+
+    def run(self, *, allow_config_change: bool = False) -> dict[str, Any]:
+        self.setup()
+        old = signal.signal(signal.SIGTERM, self._on_term)
+        try:
+            resumed = self.start_or_resume(allow_config_change)
+            s = self.state
+            if s.done:
+                self.say("this run is already finished")
+                return self.finish(already=True)
+            if not resumed:
+                self.emit("start", config_hash=s.config_hash, splits=self.data.sizes(),
+                          total_steps=self.plan.total_steps, method=self.plan.method)  # fmt: skip
+                s.phase = sched.next_phase(self.plan, s.phases, s.step)
+                self.evaluate("start")
+            while s.phase is not None:
+                kind = s.phase
+                if kind == sched.WEIGHT:
+                    self.weight_phase()
+                else:
+                    self.harness_phase()
+                s.phases.append(kind)
+                s.phase = sched.next_phase(self.plan, s.phases, s.step)
+                s.phase_start, s.phase_rewards = s.step, []
+                self.emit("phase_end", phase_kind=kind, phase_index=len(s.phases), next=s.phase)
+                self.evaluate(f"end of phase {len(s.phases)} ({kind})")
+                if s.phase is not None:
+                    self.say(f"next: {s.phase} phase")
+                # A harness phase changes no weights and its archive is its own checkpoint.
+                if self.trainer is None or kind == sched.WEIGHT:
+                    self.save()
+            s.done = True
+            self.emit("end", best=s.best)
+            self.save(wait=True)
+            return self.finish()
+        except Preempted:
+            self.save_on_preemption()
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, old)
+            self.close()
+
+    def finish(self, already: bool = False) -> dict[str, Any]:
+        from whale_jax.loop.metrics import read_metrics
+
+        lines = read_metrics(self.metrics.path)
+        evals = [x for x in lines if x["kind"] == "eval"]
+        summary = {
+            "run_dir": os.path.abspath(self.root),
+            "initial": evals[0] if evals else None,
+            "final": evals[-1] if evals else None,
+            "best": self.state.best,
+            "steps": self.state.step,
+            "phases": self.state.phases,
+            "cost": self.state.counters,
+            "harness": self.state.harness,
+        }
+        write_json(os.path.join(self.root, "summary.json"), summary)
+        if self.config.report:
+            from whale_jax.loop.report import write_report
+
+            summary["report"] = write_report([self.root], os.path.join(self.root, "report"))
+        return summary
+
+    def close(self) -> None:
+        for name in ("checkpoints", "executor", "client"):
+            part = getattr(self, name, None)
+            if part is not None:
+                try:
+                    part.close()
+                except Exception as e:  # closing must not hide the run's own error
+                    self._print(f"closing the {name}: {type(e).__name__}: {e}")

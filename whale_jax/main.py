@@ -1,0 +1,246 @@
+"""The WHALE run: ``python -m whale_jax.main --flagfile=experiments/math.flags``.
+
+Flags exist only here: they become one frozen ``RunConfig`` (whale_jax/loop/config.py), checked
+as a whole before any work starts, and the loop (whale_jax/loop/run.py) takes it from there.
+Rerunning the same command on the same --run_dir resumes from its last complete checkpoint.
+``--helpfull`` lists every flag; experiments/README.md and docs/loop.md explain them.
+
+Exit status: 0 done, 2 bad flags or data (the message names the flag or file), 143 stopped by
+SIGTERM (preemption; rerun the same command to resume).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+
+from whale_jax.loop import config as cfg
+
+F = flags.FLAGS
+
+# Run.
+flags.DEFINE_string("run_dir", "", "Run directory (metrics, archive, checkpoints, report). "
+                    "Default: runs/<domain>-<method>-seed<seed>.")  # fmt: skip
+flags.DEFINE_integer("seed", 0, "Run seed: sampling identities, data order, proposer choices.")
+flags.DEFINE_string("initial_harness", "", "Harness file to start from (default: the domain's h0).")
+flags.DEFINE_bool("allow_config_change", False, "Resume even if the config differs from the "
+                  "checkpoint's (the differences are logged).")  # fmt: skip
+# Data.
+flags.DEFINE_enum("domain", "arith", list(cfg.DOMAINS), "Task domain.")
+flags.DEFINE_string("data_dir", "", "Real data fetched by `python -m whale_jax.fetch_data` "
+                    "(empty: the domain's offline tasks).")  # fmt: skip
+flags.DEFINE_integer("split_seed", 0, "Seed of the disjoint splits (keyed hash of each task).")
+flags.DEFINE_integer("train_size", 0, "Weight-training tasks (0: all that remain).")
+flags.DEFINE_integer("search_size", 256, "Harness-search split size (the paper: 256).")
+flags.DEFINE_integer("validation_size", 256, "Validation split size (chooses the reported pair).")
+flags.DEFINE_integer("test_size", 256, "Test split size for generated/offline domains and chess "
+                     "(math tests on AIME 2024+2025, searchqa on its seven sets).")  # fmt: skip
+flags.DEFINE_integer("test_per_source", 100, "Searchqa: test tasks per benchmark (0: all).")
+flags.DEFINE_integer("arith_difficulty", 1, "Arith level (1: a + b with a, b in 2..30).")
+flags.DEFINE_integer("arith_pool", 2000, "Generated problems before splitting (arith, offline "
+                     "math).")  # fmt: skip
+flags.DEFINE_string("retriever_url", "", "Searchqa: a Search-R1 retrieval server's /retrieve URL "
+                    "(empty: BM25 over the corpus in process).")  # fmt: skip
+flags.DEFINE_bool("math_verify", False, "Math: accept answers math-verify proves equal.")
+# Model, engine, sampling, sandbox.
+flags.DEFINE_string("model", "smollm2", "Checkpoint: directory, .gguf, hub id, or smollm2.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Engine weights/activations.")
+flags.DEFINE_integer("engine_slots", 64, "Sequences the engine decodes at once.")
+flags.DEFINE_integer("max_len", 2048, "Tokens per engine slot (prompt + completion of a call).")
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature (the paper: 1.0).")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling (the paper: 1.0).")
+flags.DEFINE_integer("top_k", 20, "Top-k sampling (the paper: 20; 0: off).")
+flags.DEFINE_integer("max_new_tokens", 1024, "Default completion length of a model call.")
+flags.DEFINE_integer("concurrency", 0, "Episodes in flight (0: twice --engine_slots).")
+flags.DEFINE_enum("sandbox", "", ["", "strict", "shared_uid", "landlock"], "Sandbox mode "
+                  "(empty: $WHALE_SANDBOX or strict); docs/harness.md.")  # fmt: skip
+# RSFT.
+flags.DEFINE_integer("prompt_batch", 256, "Tasks per RSFT step (the paper: 256).")
+flags.DEFINE_integer("samples", 8, "Episodes per task per RSFT step (the paper: 8).")
+flags.DEFINE_float("reward_threshold", 0.5, "Keep episodes with reward above this.")
+flags.DEFINE_integer(
+    "minibatch_episodes", 64, "Kept episodes per optimizer update (the paper: 64)."
+)
+flags.DEFINE_float("lr", 1e-7, "AdamW learning rate (the paper: 1e-7 for Qwen3.5-2B/4B).")
+flags.DEFINE_integer("warmup_steps", 0, "Linear warmup, in optimizer updates.")
+flags.DEFINE_enum("lr_schedule", "constant", ["constant", "cosine", "linear"], "After warmup.")
+flags.DEFINE_integer("decay_steps", 0, "Cosine/linear schedule length in optimizer updates.")
+flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
+flags.DEFINE_float("max_grad_norm", 1.0, "Global-norm clipping (0: off).")
+flags.DEFINE_integer("seq_len", 2048, "Longest training row, in tokens.")
+flags.DEFINE_integer("micro_tokens", 16384, "Token positions per microbatch (accumulation unit).")
+flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Training compute dtype "
+                  "(master weights stay fp32).")  # fmt: skip
+flags.DEFINE_bool("remat", True, "Rematerialise each layer group in the backward pass.")
+# Schedule and method.
+flags.DEFINE_enum("method", "whale", list(cfg.METHODS), "whale, weight-only, harness-only, "
+                  "fast-slow (prompt-only search), stagewise.")  # fmt: skip
+flags.DEFINE_enum("schedule", "fixed", list(cfg.SCHEDULES), "Phase switching: fixed (E, I) or "
+                  "adaptive (patience).")  # fmt: skip
+flags.DEFINE_float("epochs", 6.0, "Weight-training budget in epochs (math 6, searchqa/chess 4).")
+flags.DEFINE_float("weight_epochs", 0.6, "E: weight-phase length in epochs (fixed schedule).")
+flags.DEFINE_integer("harness_iterations", 6, "I: iterations per harness phase, the incoming "
+                     "harness's evaluation counted (fixed schedule).")  # fmt: skip
+flags.DEFINE_float("adaptive_window", 0.2, "Adaptive: reward window W, in epochs.")
+flags.DEFINE_float("adaptive_burn_in", 0.2, "Adaptive: burn-in B, in epochs.")
+flags.DEFINE_float("adaptive_patience", 0.2, "Adaptive: patience P, in epochs.")
+flags.DEFINE_integer(
+    "search_min_proposals", 5, "Adaptive harness phase: proposal iterations at least."
+)
+flags.DEFINE_integer("search_patience", 2, "Adaptive harness phase: iterations without a new best.")
+flags.DEFINE_integer(
+    "search_max_proposals", 15, "Adaptive harness phase: proposal iterations at most."
+)
+flags.DEFINE_integer("harness_phases", 0, "Harness-only: phases (0: as many as WHALE's fixed "
+                     "schedule has).")  # fmt: skip
+# Meta-Harness search.
+flags.DEFINE_enum("proposer", "offline", list(cfg.PROPOSERS), "Proposer backend.")
+flags.DEFINE_string("proposer_model", "", "Gemini/OpenAI-compatible model name.")
+flags.DEFINE_string("proposer_base_url", "", "OpenAI-compatible endpoint (empty: the provider).")
+flags.DEFINE_string("proposer_api_key_env", "", "Environment variable with the proposer's key.")
+flags.DEFINE_string("proposer_command", "", "Command proposer template ({prompt}/{prompt_file}).")
+flags.DEFINE_float("proposer_timeout_s", 1800.0, "Wall-clock budget of one proposal.")
+flags.DEFINE_integer("slots", 3, "Candidates per proposal iteration (the paper: 3).")
+flags.DEFINE_integer("search_samples", 1, "Episodes per search task (the paper: 1).")
+flags.DEFINE_integer("audit_tasks", 4, "Search tasks each stand-in model runs in the audit.")
+flags.DEFINE_bool("require_significant", False, "Accept a new harness only when its gain over "
+                  "the incoming one is outside sampling noise (paired interval).")  # fmt: skip
+# Evaluation.
+flags.DEFINE_integer("eval_samples", 8, "Episodes per task for mean@k (8: mean@8).")
+flags.DEFINE_float("eval_every_epochs", 0.1, "Periodic evaluation in weight phases (0: phase "
+                   "boundaries only).")  # fmt: skip
+flags.DEFINE_bool("eval_test", True, "Evaluate on the test split.")
+flags.DEFINE_bool("eval_validation", True, "Evaluate on the validation split.")
+# Checkpoints and reporting.
+flags.DEFINE_string("checkpoint_dir", "", "Orbax directory, local or gs:// (default: "
+                    "<run_dir>/checkpoints).")  # fmt: skip
+flags.DEFINE_integer("checkpoint_keep", 2, "Checkpoints kept: the last N plus validation-best.")
+flags.DEFINE_integer("checkpoint_every_steps", 0, "Also save every N RSFT steps (0: off).")
+flags.DEFINE_float("checkpoint_every_minutes", 30.0, "Also save after this long since the last.")
+flags.DEFINE_float("preemption_grace_s", 25.0, "On SIGTERM, save only if a save (as long as "
+                   "the last one took) fits in what is left of this grace.")  # fmt: skip
+flags.DEFINE_bool("report", True, "Write the Markdown + PNG report at the end.")
+flags.DEFINE_bool("tensorboard", True, "Write TensorBoard event files.")
+flags.DEFINE_bool("progress", True, "Progress bars on stderr.")
+
+
+def config_from_flags(f=F) -> cfg.RunConfig:
+    """The frozen run config the flags describe (checked by ``cfg.validate``)."""
+    from harness.search.phase import SearchConfig
+    from harness.search.validate import ValidationConfig
+    from whale_jax.train.rsft import RSFTConfig
+    from whale_jax.train.trainer import OptimConfig, TrainConfig
+
+    def built(flag: str, make):
+        try:
+            return make()
+        except ValueError as e:
+            raise cfg.ConfigError(f"--{flag}: {e}") from None
+
+    run_dir = f.run_dir or f"runs/{f.domain}-{f.method}-seed{f.seed}"
+    config = cfg.RunConfig(
+        run_dir=run_dir,
+        seed=f.seed,
+        initial_harness=f.initial_harness,
+        data=cfg.DataConfig(
+            domain=f.domain, data_dir=f.data_dir, split_seed=f.split_seed,
+            train_size=f.train_size, search_size=f.search_size,
+            validation_size=f.validation_size, test_size=f.test_size,
+            test_per_source=f.test_per_source, arith_difficulty=f.arith_difficulty,
+            arith_pool=f.arith_pool, retriever_url=f.retriever_url, math_verify=f.math_verify,
+        ),
+        model=cfg.ModelSettings(
+            model=f.model, dtype=f.dtype, engine_slots=f.engine_slots, max_len=f.max_len,
+            temperature=f.temperature, top_p=f.top_p, top_k=f.top_k,
+            max_new_tokens=f.max_new_tokens, concurrency=f.concurrency, sandbox=f.sandbox,
+        ),
+        rsft=built("prompt_batch", lambda: RSFTConfig(
+            prompt_batch=f.prompt_batch, samples=f.samples, reward_threshold=f.reward_threshold,
+            minibatch_episodes=f.minibatch_episodes, seed=f.seed)),
+        train=built("lr", lambda: TrainConfig(
+            optim=OptimConfig(learning_rate=f.lr, warmup_steps=f.warmup_steps,
+                              schedule=f.lr_schedule, decay_steps=f.decay_steps,
+                              weight_decay=f.weight_decay, max_grad_norm=f.max_grad_norm),
+            seq_len=f.seq_len, micro_tokens=f.micro_tokens, compute_dtype=f.compute_dtype,
+            remat=f.remat)),
+        search=built("slots", lambda: SearchConfig(
+            iterations=max(f.harness_iterations, 1), slots=f.slots, samples=f.search_samples,
+            require_significant=f.require_significant,
+            validation=ValidationConfig(audit_tasks=f.audit_tasks),
+            schedule=f.schedule, min_proposals=f.search_min_proposals,
+            patience=f.search_patience, max_proposals=f.search_max_proposals)),
+        schedule=cfg.ScheduleConfig(
+            method=f.method, schedule=f.schedule, epochs=f.epochs, weight_epochs=f.weight_epochs,
+            harness_iterations=f.harness_iterations, window_epochs=f.adaptive_window,
+            burn_in_epochs=f.adaptive_burn_in, patience_epochs=f.adaptive_patience,
+            harness_phases=f.harness_phases,
+        ),
+        eval=cfg.EvalConfig(samples=f.eval_samples, every_epochs=f.eval_every_epochs,
+                            test=f.eval_test, validation=f.eval_validation),
+        checkpoint=cfg.CheckpointConfig(
+            directory=f.checkpoint_dir, keep=f.checkpoint_keep,
+            every_steps=f.checkpoint_every_steps, every_minutes=f.checkpoint_every_minutes,
+            preemption_grace_s=f.preemption_grace_s,
+        ),
+        proposer=cfg.ProposerConfig(
+            kind=f.proposer, model=f.proposer_model, base_url=f.proposer_base_url,
+            api_key_env=f.proposer_api_key_env, command=f.proposer_command,
+            timeout_s=f.proposer_timeout_s,
+        ),
+        report=f.report,
+        tensorboard=f.tensorboard,
+        progress=f.progress,
+    )  # fmt: skip
+    cfg.validate(config)
+    return config
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        print(f"unexpected arguments {argv[1:]} (flags are --name=value)", file=sys.stderr)
+        return 2
+    from absl import logging
+
+    from whale_jax.loop.checkpoint import CheckpointMismatch
+    from whale_jax.loop.run import PREEMPTED_EXIT, Preempted, WhaleRun
+
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
+
+    try:
+        config = config_from_flags()
+        run = WhaleRun(config)
+        summary = run.run(allow_config_change=F.allow_config_change)
+    except (cfg.ConfigError, CheckpointMismatch) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Preempted:
+        print("stopped by SIGTERM; rerun the same command to resume", file=sys.stderr)
+        return PREEMPTED_EXIT
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict) -> None:
+    def score(line):
+        if not line:
+            return "-"
+        parts = [f"{k} {line[k]:.3f}" for k in ("test", "validation") if k in line]
+        return ", ".join(parts) + f" (step {line['step']}, harness {line['harness']})"
+
+    best = summary.get("best", {})
+    print("\n== WHALE run finished ==")
+    print(f"run directory:        {summary['run_dir']}")
+    print(f"initial pair mean@k:  {score(summary.get('initial'))}")
+    print(f"final pair mean@k:    {score(summary.get('final'))}")
+    if "test" in best:
+        print(f"best test mean@k:     {best['test']:.3f} at {best['test_at']}")
+    if best.get("test_at_validation_best") is not None:
+        print(f"test at validation-best: {best['test_at_validation_best']:.3f} at "
+              f"{best['validation_at']}")  # fmt: skip
+    if summary.get("report"):
+        print(f"report:               {summary['report']}")
+
+
+if __name__ == "__main__":
+    app.run(main)
