@@ -79,6 +79,8 @@ def test_config_hash_ignores_operational_fields_only():
         (lambda c: dataclasses.replace(c, model=cfg.ModelSettings(max_len=64, max_new_tokens=64)),
          "--max_new_tokens"),
         (lambda c: dataclasses.replace(c, data=cfg.DataConfig(domain="go")), "--domain"),
+        (lambda c: dataclasses.replace(c, initial_harness="no/such/harness.py"),
+         "--initial_harness"),
     ],
 )  # fmt: skip
 def test_contradictions_name_the_flag(change, flag):

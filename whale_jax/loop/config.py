@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from typing import Any
 
 from harness.search.phase import SearchConfig
@@ -258,3 +259,5 @@ def validate(config: RunConfig) -> None:
     if d.domain == "searchqa" and d.retriever_url and not d.retriever_url.startswith("http"):
         raise ConfigError(f"--retriever_url: {d.retriever_url!r} is not an http(s) URL")
     need(d.arith_difficulty >= 1, "arith_difficulty", "levels start at 1")
+    need(not config.initial_harness or os.path.isfile(config.initial_harness),
+         "initial_harness", f"{config.initial_harness}: no such file")  # fmt: skip

@@ -289,9 +289,7 @@ class WhaleRun:
 
     def _initial_harness(self) -> dict[str, Any]:
         path = self.config.initial_harness
-        if path:
-            if not os.path.isfile(path):
-                raise ConfigError(f"--initial_harness={path}: no such file")
+        if path:  # its existence was checked with the flags
             with open(path, encoding="utf-8") as f:
                 source = f.read()
             name = os.path.splitext(os.path.basename(path))[0]
