@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterable
 from typing import Any
@@ -182,6 +183,17 @@ class Phase:
             if os.path.exists(p):
                 setattr(cand, key, read_json(p))
         return cand
+
+    def drop_incomplete(self) -> list[str]:
+        """Removes candidate directories a crash left without their harness or proposal (their
+        names would otherwise shift the numbering of the candidates proposed again)."""
+        dropped = []
+        for name in self.candidate_names():
+            d = os.path.join(self.candidates_dir, name)
+            if not all(os.path.exists(os.path.join(d, f)) for f in ("harness.py", "proposal.json")):
+                shutil.rmtree(d)
+                dropped.append(name)
+        return dropped
 
     def candidates(self) -> list[Candidate]:
         out = []

@@ -159,6 +159,8 @@ class HarnessPhase:
                                      "schedule": self.config.schedule,
                                      "slots": self.config.slots, "samples": self.config.samples,
                                      "prompt_only": self.config.validation.prompt_only}})  # fmt: skip
+        for name in self.phase.drop_incomplete():
+            self.log(f"{name}: left incomplete by an interrupted run; removed")
         logged = {e["iteration"] for e in self.phase.iterations()}
         cands = self.phase.candidates()
         if not cands:

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from harness.domains.base import Task
 from harness.executor import Executor, ExecutorConfig
 from harness.jail import Policy
@@ -231,6 +233,12 @@ class WhaleRun:
             self.trainer = Trainer(model, c.train)
         self.say(f"model {c.model.model} loaded in {time.monotonic() - t0:.1f}s "
                  f"({model.cfg.num_params() / 1e6:.1f}M parameters)")  # fmt: skip
+        if c.searches and jax.process_count() > 1:
+            # Every host would run its own proposer; LLM proposals differ, so hosts would accept
+            # different harnesses. Until proposals are broadcast from one host, refuse.
+            raise ConfigError(f"--method={c.schedule.method}: harness phases run on one host only "
+                              f"(this job has {jax.process_count()}); use --method=weight-only "
+                              "across hosts")  # fmt: skip
         self.archive = Archive(os.path.join(self.root, "archive"))
         self.proposer = CountingProposer(build_proposer(c)) if c.searches else None
         self.checkpoints = Checkpoints(c.checkpoint_dir, keep=c.checkpoint.keep, log=self.say)
@@ -413,12 +421,12 @@ class WhaleRun:
         bar = Progress(total, f"weight phase {s.phases.count(sched.WEIGHT) + 1}",
                        enabled=c.progress, unit="step")  # fmt: skip
         bar.update(s.step - s.phase_start)
-        t0 = time.monotonic()
         source = self.harness_source()
         try:
             while not sched.weight_phase_over(plan, step=s.step, phase_start=s.phase_start,
                                               rewards=s.phase_rewards):  # fmt: skip
                 self._check_term()
+                t0 = time.monotonic()  # weight_s: rollouts and updates, not evaluations or saves
                 metrics, records = rsft_step(
                     s.step + 1, tasks=self.data.train, cursor=self.cursor, source=source,
                     domain=self.data.domain, executor=self.executor, trainer=self.trainer,
@@ -431,7 +439,6 @@ class WhaleRun:
                     metrics["prompt_tokens"] + metrics["completion_tokens"]
                 )
                 s.counters["weight_s"] += time.monotonic() - t0
-                t0 = time.monotonic()
                 metrics.pop("step", None)
                 metrics.pop("epoch", None)
                 self.emit("rsft", **metrics)

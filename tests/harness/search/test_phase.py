@@ -151,6 +151,34 @@ def test_an_interrupted_phase_resumes_without_re_evaluating(setup):
     assert result.accepted.name == "h001-step"  # tie on success and turns: the earlier one
 
 
+def test_interrupt_stops_between_candidates_and_a_torn_candidate_is_dropped(setup):
+    """``interrupt`` (SIGTERM in the loop) stops before the next candidate; a candidate directory
+    a crash left half-written is removed on resume, so the names proposed again do not shift."""
+    from harness.search.phase import PhaseInterrupted
+
+    tasks, ex, archive = setup
+    stop = {"after": 2}
+    seen: list[str] = []
+
+    def interrupt() -> bool:
+        return len(seen) >= stop["after"]
+
+    proposer = ListProposer([[("step", STEP), ("again", H0)], [("third", H0)]])
+    kwargs = dict(archive=archive, index=1, domain=ArithDomain(), executor=ex, search_tasks=tasks,
+                  proposer=proposer, skill="s", config=SearchConfig(iterations=3, slots=2),
+                  log=lambda s: seen.append(s) if ": success" in s else None,
+                  interrupt=interrupt)  # fmt: skip
+    with pytest.raises(PhaseInterrupted, match="before h002-again"):
+        HarnessPhase(**kwargs).run(H0)
+    torn = os.path.join(archive.phase(1).candidates_dir, "h003-torn")
+    os.makedirs(torn)  # a crash between the directory and its files
+    stop["after"] = 99
+    result = HarnessPhase(**kwargs).run(H0)
+    names = [c.name for c in result.candidates]
+    assert names == ["h000-incoming", "h001-step", "h002-again", "h003-third"]
+    assert not os.path.exists(torn) or os.path.exists(os.path.join(torn, "harness.py"))
+
+
 def test_proposer_failure_skips_its_slots(setup):
     tasks, ex, archive = setup
 
