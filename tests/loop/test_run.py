@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -117,6 +118,14 @@ def test_kill_9_at_several_points_then_resume(baseline, tiny_model_dir, tmp_path
     lines = metric_lines(run_dir)
     assert shape(lines) == shape(metric_lines(base_dir))  # nothing lost, nothing twice
     assert archive_listing(run_dir) == archive_listing(base_dir)
+    # The report on demand, over both runs side by side.
+    out = tmp_path / "cmp"
+    made = subprocess.run([sys.executable, "-m", "whale_jax.loop.report", base_dir, run_dir,
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    report = (out / "report.md").read_text()
+    assert report.count("| whale/fixed seed 0 (run) | 4 | WHW |") == 2
+    assert (out / "mean_at_k.png").stat().st_size > 0 and (out / "timeline.png").exists()
 
 
 def test_sigterm_saves_and_the_rerun_finishes(tiny_model_dir, tmp_path):
