@@ -51,8 +51,8 @@ def sources(domain: str) -> list[Source]:
     if domain == "math":
         return [
             Source(f["math"]["train"], "BytedTsinghua-SIA/DAPO-Math-17k", ("*.parquet",), "parquet"),
-            Source(f["math"]["test_2024"], "Maxwell-Jia/AIME_2024", ("*.parquet", "*.jsonl", "*.json")),
-            Source(f["math"]["test_2025"], "yentinglin/aime_2025", ("*.parquet", "*.jsonl", "*.json")),
+            Source(f["math"]["test_2024"], "Maxwell-Jia/AIME_2024", ("*.parquet", "*.jsonl")),
+            Source(f["math"]["test_2025"], "yentinglin/aime_2025", ("*.parquet", "*.jsonl")),
         ]  # fmt: skip
     if domain == "searchqa":
         out = [Source(f["searchqa"]["train"], "PeterJinGo/nq_hotpotqa_train", ("train.parquet",),
@@ -88,14 +88,19 @@ def hub_download(repo: str, patterns: tuple[str, ...], dest: str, revision: str)
 
 
 def matching(root: str, patterns: tuple[str, ...]) -> list[str]:
-    found = []
-    for dirpath, dirnames, files in os.walk(root):
+    """The files of the first pattern that matches any (a repo with the same rows as parquet and
+    as JSONL gives them once), sorted; patterns match the relative path or the file name."""
+    files = []
+    for dirpath, dirnames, names in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in files:
-            rel = os.path.relpath(os.path.join(dirpath, name), root)
-            if any(fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(name, p) for p in patterns):
-                found.append(os.path.join(dirpath, name))
-    return sorted(found)
+        files += [os.path.join(dirpath, n) for n in names]
+    for pattern in patterns:
+        found = [f for f in files
+                 if fnmatch.fnmatch(os.path.relpath(f, root), pattern)
+                 or fnmatch.fnmatch(os.path.basename(f), pattern)]  # fmt: skip
+        if found:
+            return sorted(found)
+    return []
 
 
 def prepare(source: Source, files: list[str], out: str) -> None:

@@ -97,6 +97,15 @@ def publisher_files(repo: str, patterns, dest: str, revision: str) -> list[str]:
     raise AssertionError(repo)
 
 
+def test_matching_takes_the_first_pattern_with_files(tmp_path):
+    for rel in ("data/a.parquet", "data/b.parquet", "a.jsonl", ".cache/x.parquet"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    got = fetch_data.matching(str(tmp_path), ("*.parquet", "*.jsonl"))
+    assert [os.path.relpath(p, tmp_path) for p in got] == ["data/a.parquet", "data/b.parquet"]
+    assert fetch_data.matching(str(tmp_path), ("*.csv", "*.jsonl")) == [str(tmp_path / "a.jsonl")]
+
+
 @pytest.mark.parametrize("domain", ["math", "searchqa", "chess"])
 def test_fetched_layout_is_what_the_loaders_read(tmp_path, domain):
     data_dir = str(tmp_path / "data")
