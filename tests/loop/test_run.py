@@ -153,3 +153,33 @@ def test_sigterm_saves_and_the_rerun_finishes(tiny_model_dir, tmp_path):
     lines = metric_lines(run_dir)
     assert [x["step"] for x in lines if x["kind"] == "rsft"] == [1, 2, 3, 4]
     assert [x["kind"] for x in lines].count("start") == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "phases", "steps"),
+    [
+        ({"method": "weight-only"}, ["weight"], 4),
+        ({"method": "harness-only"}, ["harness"], 0),
+        ({"method": "stagewise"}, ["weight", "harness"], 4),
+        ({"method": "fast-slow"}, ["weight", "harness", "weight"], 4),
+        ({"schedule": "adaptive", "adaptive_window": 0.5, "adaptive_burn_in": 0.5,
+          "adaptive_patience": 0.5, "search_min_proposals": 1, "search_patience": 1,
+          "search_max_proposals": 2}, ["weight", "harness", "weight"], 4),
+    ],
+)  # fmt: skip
+def test_every_method_runs_its_phase_sequence(tiny_model_dir, tmp_path, overrides, phases, steps):
+    run_dir = str(tmp_path / "run")
+    done = run_main(small_run_flags(run_dir, tiny_model_dir, report="false", **overrides))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = metric_lines(run_dir)
+    assert [x["phase_kind"] for x in lines if x["kind"] == "phase_end"] == phases
+    assert len([x for x in lines if x["kind"] == "rsft"]) == steps
+    cost = lines[-1]["cost"]
+    assert (cost["weight_episodes"] > 0) == (steps > 0)
+    assert (cost["harness_episodes"] > 0) == ("harness" in phases)
+    if overrides.get("method") == "fast-slow":
+        meta = json.load(open(os.path.join(run_dir, "archive", "phase-001", "phase.json")))
+        assert meta["config"]["prompt_only"] is True
+    if overrides.get("method") == "stagewise":
+        meta = json.load(open(os.path.join(run_dir, "archive", "phase-001", "phase.json")))
+        assert meta["config"]["iterations"] == 2  # one phase x (I - 1) + 1
