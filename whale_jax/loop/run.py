@@ -506,7 +506,7 @@ class WhaleRun:
                   mean_turns=result.accepted.summary["mean_turns"], frontier=result.frontier,
                   candidates=len(cands), valid=sum(1 for x in cands if x.valid),
                   iterations=len(phase.phase.iterations()), episodes=episodes,
-                  interval=result.detail.get("interval"))  # fmt: skip
+                  vs_incoming=result.detail.get("vs_incoming"))  # fmt: skip
 
     # ---- the run -------------------------------------------------------------------------------
 
