@@ -53,7 +53,11 @@ def test_whale_trains_searches_and_reports(tmp_path):
         list((phase / "candidates").iterdir())
     )
     accepted = json.loads((phase / "accepted.json").read_text())
-    assert accepted["name"]
+    (line,) = [x for x in lines if x["kind"] == "harness_phase"]
+    if "incoming" in accepted["name"]:
+        assert line["vs_incoming"] is None and line["accepted"] == "fewshot_arith"
+    else:
+        assert line["vs_incoming"]["n"] == 8 and line["accepted"].endswith(accepted["name"])
     assert summary["steps"] == 2 and summary["phases"] == ["weight", "harness", "weight"]
     assert os.path.exists(summary["report"])
     report = Path(summary["report"]).read_text()
