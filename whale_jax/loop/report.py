@@ -57,12 +57,19 @@ def _plots(runs: list[dict[str, Any]], out: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     made = []
+    # One colour per method, one line style per seed: many runs stay readable side by side.
+    methods = sorted({r["config"].get("schedule", {}).get("method", "?") for r in runs})
+    seeds = sorted({str(r["config"].get("seed", "?")) for r in runs})
+    styles = ["-", "--", ":", "-."]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
         evals = [x for x in run["lines"] if x["kind"] == "eval" and "test" in x]
+        method = run["config"].get("schedule", {}).get("method", "?")
+        seed = str(run["config"].get("seed", "?"))
         if evals:
             ax.plot([_learning_episodes(x) for x in evals], [x["test"] for x in evals],
-                    marker="o", label=_label(run))  # fmt: skip
+                    marker="o", label=_label(run), color=f"C{methods.index(method) % 10}",
+                    linestyle=styles[seeds.index(seed) % len(styles)])  # fmt: skip
     ax.set_xlabel("episodes spent learning (weight phases + harness evaluation)")
     ax.set_ylabel("test mean@k")
     ax.grid(alpha=0.3)
