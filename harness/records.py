@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -101,6 +102,15 @@ class EvalSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def task_rewards(records: list[EpisodeRecord], tasks: Sequence[Any]) -> list[float]:
+    """Per task (in ``tasks`` order) the mean reward of its episodes; 0 for a task without any.
+    Their mean is mean@k when every task ran k episodes."""
+    by: dict[str, list[float]] = {}
+    for r in records:
+        by.setdefault(r.task_id, []).append(r.reward)
+    return [sum(by[t.id]) / len(by[t.id]) if t.id in by else 0.0 for t in tasks]
 
 
 def summarize(records: list[EpisodeRecord]) -> EvalSummary:

@@ -133,11 +133,12 @@ def config_from_flags(f=F) -> cfg.RunConfig:
     from whale_jax.train.rsft import RSFTConfig
     from whale_jax.train.trainer import OptimConfig, TrainConfig
 
-    def built(flag: str, make):
+    def built(flags_: tuple[str, ...], make):
+        """A part's own config; its ValueError names the field, the message adds its flags."""
         try:
             return make()
         except ValueError as e:
-            raise cfg.ConfigError(f"--{flag}: {e}") from None
+            raise cfg.ConfigError(f"{e} (flags: {', '.join('--' + x for x in flags_)})") from None
 
     run_dir = f.run_dir or f"runs/{f.domain}-{f.method}-seed{f.seed}"
     config = cfg.RunConfig(
@@ -156,16 +157,16 @@ def config_from_flags(f=F) -> cfg.RunConfig:
             temperature=f.temperature, top_p=f.top_p, top_k=f.top_k,
             max_new_tokens=f.max_new_tokens, concurrency=f.concurrency, sandbox=f.sandbox,
         ),
-        rsft=built("prompt_batch", lambda: RSFTConfig(
+        rsft=built(("prompt_batch", "samples", "reward_threshold", "minibatch_episodes"), lambda: RSFTConfig(
             prompt_batch=f.prompt_batch, samples=f.samples, reward_threshold=f.reward_threshold,
             minibatch_episodes=f.minibatch_episodes, seed=f.seed)),
-        train=built("lr", lambda: TrainConfig(
+        train=built(("lr", "warmup_steps", "lr_schedule", "decay_steps", "seq_len", "micro_tokens", "compute_dtype"), lambda: TrainConfig(
             optim=OptimConfig(learning_rate=f.lr, warmup_steps=f.warmup_steps,
                               schedule=f.lr_schedule, decay_steps=f.decay_steps,
                               weight_decay=f.weight_decay, max_grad_norm=f.max_grad_norm),
             seq_len=f.seq_len, micro_tokens=f.micro_tokens, compute_dtype=f.compute_dtype,
             remat=f.remat)),
-        search=built("slots", lambda: SearchConfig(
+        search=built(("harness_iterations", "slots", "search_samples", "schedule", "search_min_proposals", "search_patience", "search_max_proposals"), lambda: SearchConfig(
             iterations=max(f.harness_iterations, 1), slots=f.slots, samples=f.search_samples,
             require_significant=f.require_significant,
             validation=ValidationConfig(audit_tasks=f.audit_tasks),

@@ -22,7 +22,7 @@ from typing import Any
 
 from harness.domains.base import Domain, Task
 from harness.executor import Executor
-from harness.records import EpisodeRecord, summarize
+from harness.records import summarize, task_rewards
 from harness.search import frontier
 from harness.search.archive import Archive, Candidate, Phase, Proposal, summary_dict
 from harness.search.proposers.base import Proposer, ProposeRequest
@@ -74,13 +74,6 @@ class PhaseResult:
     detail: dict[str, Any]
 
 
-def _rewards_by_task(records: list[EpisodeRecord], tasks: Sequence[Task]) -> list[float]:
-    by: dict[str, list[float]] = {}
-    for r in records:
-        by.setdefault(r.task_id, []).append(r.reward)
-    return [sum(by.get(t.id, [0.0])) / max(len(by.get(t.id, [])), 1) for t in tasks]
-
-
 class HarnessPhase:
     def __init__(
         self,
@@ -125,7 +118,7 @@ class HarnessPhase:
                                     samples=self.config.samples,
                                     run_id=f"{os.path.basename(self.phase.root)}/{cand.name}")  # fmt: skip
         summary = summarize(records)
-        rewards = _rewards_by_task(records, self.tasks)
+        rewards = task_rewards(records, self.tasks)
         extra = {"weights": self.weights, "eval_s": round(time.monotonic() - t0, 3),
                  "samples": self.config.samples}  # fmt: skip
         self.phase.record(cand, records, summary_dict(summary, rewards, extra))

@@ -136,7 +136,7 @@ class RunConfig:
         return self.checkpoint.directory or f"{self.run_dir.rstrip('/')}/checkpoints"
 
     def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
+        return dataclasses.asdict(self)
 
 
 # Fields that may differ on resume: where things live and how often/loudly the run reports.
@@ -155,14 +155,6 @@ OPERATIONAL = (
     "model.concurrency",
     "model.sandbox",
 )
-
-
-def _plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, tuple | list):
-        return [_plain(x) for x in obj]
-    return obj
 
 
 def strip_operational(d: dict[str, Any]) -> dict[str, Any]:
@@ -243,8 +235,9 @@ def validate(config: RunConfig) -> None:
     need(m.dtype in ("float32", "bfloat16"), "dtype", "float32 or bfloat16")
     need(m.sandbox in ("", "strict", "shared_uid", "landlock"), "sandbox",
          f"{m.sandbox!r}: strict, shared_uid or landlock")  # fmt: skip
-    need(m.temperature >= 0 and 0 < m.top_p <= 1 and m.top_k >= 0, "temperature",
-         "sampling needs temperature >= 0, 0 < top_p <= 1, top_k >= 0")  # fmt: skip
+    need(m.temperature >= 0, "temperature", "must be >= 0")
+    need(0 < m.top_p <= 1, "top_p", "must be in (0, 1]")
+    need(m.top_k >= 0, "top_k", "must be >= 0 (0: off)")
     need(c.keep >= 1, "checkpoint_keep", "keep at least one checkpoint")
     need(d.search_size >= 1, "search_size", "the harness-search split needs tasks")
     need(d.validation_size >= 0 and d.test_size >= 0, "validation_size", "sizes must be >= 0")

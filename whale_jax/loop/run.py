@@ -28,7 +28,7 @@ from harness.domains.base import Task
 from harness.executor import Executor, ExecutorConfig
 from harness.jail import Policy
 from harness.model_api import SamplingSettings
-from harness.records import EpisodeRecord
+from harness.records import EpisodeRecord, task_rewards
 from harness.search.archive import Archive, read_json, write_atomic, write_json
 from harness.search.phase import HarnessPhase, PhaseInterrupted
 from harness.search.skills import skill_text
@@ -78,7 +78,6 @@ class LoopState:
         default_factory=lambda: dict.fromkeys(COUNTERS, 0)
     )
     best: dict[str, Any] = dataclasses.field(default_factory=dict)
-    evals: int = 0
     last_eval: list[Any] = dataclasses.field(default_factory=list)  # [step, harness id]
     metrics_lines: int = 0
     checkpoint: int = 0  # index of the save this state was written into
@@ -97,10 +96,7 @@ class LoopState:
 
 def mean_at_k(records: list[EpisodeRecord], tasks: list[Task]) -> float:
     """Per task the mean reward over its episodes, averaged over tasks."""
-    by: dict[str, list[float]] = {}
-    for r in records:
-        by.setdefault(r.task_id, []).append(r.reward)
-    scores = [sum(by[t.id]) / len(by[t.id]) for t in tasks if t.id in by]
+    scores = task_rewards(records, tasks)
     return sum(scores) / len(scores) if scores else 0.0
 
 
@@ -333,8 +329,7 @@ class WhaleRun:
         s.trainer_step = self.trainer.step if self.trainer is not None else 0
         s.wall_s += time.monotonic() - self._t_start
         self._t_start = time.monotonic()
-        self.checkpoints.save(s.checkpoint, {**s.to_dict(), "trainer_step": s.trainer_step},
-                              self.trainer, best=s.best_checkpoint)  # fmt: skip
+        self.checkpoints.save(s.checkpoint, s.to_dict(), self.trainer, best=s.best_checkpoint)
         if wait:
             self.checkpoints.wait()
         self._last_save = time.monotonic()
@@ -389,7 +384,6 @@ class WhaleRun:
             else:
                 out[split] = mean_at_k(records, tasks)
         s.counters["eval_s"] += time.monotonic() - t0
-        s.evals += 1
         s.last_eval = key
         new_best_val = self._update_best(out)
         line = self.emit("eval", **{k_: v for k_, v in out.items()}, samples=k)
