@@ -408,7 +408,8 @@ def aot_child(spec: dict) -> dict:
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
     batch = trainer._batch_sharding
     tokens = jax.ShapeDtypeStruct((S, T), jnp.int32, sharding=batch)
-    mask = jax.ShapeDtypeStruct((S, T), jnp.bool_, sharding=batch)
+    # Loss positions: every one (the widest loss shape a step can have).
+    weight = jax.ShapeDtypeStruct((S, T), jnp.float32, sharding=batch)
     out = {
         "num_params": cfg.num_params(),
         "num_layers": cfg.num_layers,
@@ -418,7 +419,11 @@ def aot_child(spec: dict) -> dict:
     }
     out["grad_acc_bytes_per_device"] = out["param_bytes_per_device"]
     for step, fn, call in (
-        ("accumulate", trainer._accumulate, (params, params, scalar, tokens, tokens, mask)),
+        (
+            "accumulate",
+            trainer._accumulate,
+            (params, params, scalar, tokens, tokens, tokens, weight),
+        ),
         ("apply", trainer._apply, (params, opt, params, scalar, scalar)),
     ):
         t0 = time.perf_counter()

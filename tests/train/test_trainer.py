@@ -194,8 +194,8 @@ SHARDED = textwrap.dedent(
                          shapes, t.shardings)
     scalar = jax.ShapeDtypeStruct((), np.float32, sharding=NamedSharding(mesh, P()))
     ids = jax.ShapeDtypeStruct((8, 256), np.int32, sharding=t._batch_sharding)
-    mask = jax.ShapeDtypeStruct((8, 256), np.bool_, sharding=t._batch_sharding)
-    hlo = t._accumulate.lower(typed, typed, scalar, ids, ids, mask).compile().as_text()
+    weight = jax.ShapeDtypeStruct((8, 256), np.float32, sharding=t._batch_sharding)
+    hlo = t._accumulate.lower(typed, typed, scalar, ids, ids, ids, weight).compile().as_text()
     gathered = [l.split("=", 1)[1].split("all-gather(")[0].strip() for l in hlo.splitlines()
                 if "all-gather(" in l]
     print("GATHERED", sorted(set(gathered)))

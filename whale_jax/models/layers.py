@@ -37,6 +37,19 @@ def make_param(rngs, stack, shape, axes, *, init="normal", scale=0.02, dtype=jnp
     return nnx.Param(value.astype(dtype), axes=names)
 
 
+def linear(x: Array, w: Array, contract: int = 1) -> Array:
+    """``x``'s last ``contract`` axes times ``w``'s first ``contract`` axes, as one 2-D matmul over
+    the flattened leading axes: x [..., I1..Ic] @ w [I1..Ic, O1..] -> [..., O1..]. The same
+    product as the einsum, but its backward pass is two plain 2-D matmuls too; on XLA CPU the
+    gradient of a batched einsum ("btd,df->btf") ran at half the speed (SwiGLU, 2,048 tokens:
+    119 -> 60 ms)."""
+    lead, inner = x.shape[: x.ndim - contract], w.shape[:contract]
+    out = w.shape[contract:]
+    size = int(np.prod(inner))
+    y = jnp.dot(x.reshape(-1, size), w.reshape(size, -1))
+    return y.reshape(*lead, *out)
+
+
 def rms_norm(x: Array, weight: Array, eps: float, offset: float = 0.0) -> Array:
     """x / rms(x) * (offset + w), computed in fp32. offset=1 is Qwen3.5's zero-centred norm."""
     x32 = x.astype(jnp.float32)
@@ -76,9 +89,9 @@ class MLP(nnx.Module):
         self.down_proj = make_param(rngs, stack, (f, d), ("mlp", "embed"), dtype=dtype)
 
     def __call__(self, x_BTD):
-        gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate_proj[...])
-        up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up_proj[...])
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, self.down_proj[...])
+        gate_BTF = linear(x_BTD, self.gate_proj[...])
+        up_BTF = linear(x_BTD, self.up_proj[...])
+        return linear(jax.nn.silu(gate_BTF) * up_BTF, self.down_proj[...])
 
 
 class Attention(nnx.Module):
@@ -125,9 +138,9 @@ class Attention(nnx.Module):
         written. ``segments_BT`` (no cache only): tokens attend within their own segment."""
         cfg = self.cfg
         K = cfg.head_dim
-        q_BTHX = jnp.einsum("btd,dhx->bthx", x_BTD, self.q_proj[...])
-        k_BTNK = jnp.einsum("btd,dnk->btnk", x_BTD, self.k_proj[...])
-        v_BTNK = jnp.einsum("btd,dnk->btnk", x_BTD, self.v_proj[...])
+        q_BTHX = linear(x_BTD, self.q_proj[...])
+        k_BTNK = linear(x_BTD, self.k_proj[...])
+        v_BTNK = linear(x_BTD, self.v_proj[...])
         if cfg.attention_bias:
             q_BTHX = q_BTHX + self.q_bias[...].astype(q_BTHX.dtype)
             k_BTNK = k_BTNK + self.k_bias[...].astype(k_BTNK.dtype)
@@ -168,7 +181,7 @@ class Attention(nnx.Module):
         out_BTHK = out_BTHK.astype(x_BTD.dtype)
         if cfg.attn_output_gate:
             out_BTHK = out_BTHK * jax.nn.sigmoid(gate_BTHK)
-        return jnp.einsum("bthk,hkd->btd", out_BTHK, self.o_proj[...]), new_cache
+        return linear(out_BTHK, self.o_proj[...], 2), new_cache
 
 
 ATTENTION_BLOCK = 256  # query block of the causal self-attention
@@ -194,12 +207,17 @@ def attend(q_BTHK: Array, keys_BNSK: Array, values_BNSK: Array, allowed_BTS: Arr
     N = keys_BNSK.shape[1]
     if T == 1:
         return _attend_one(q_BTHK, keys_BNSK, values_BNSK, allowed_BTS)
-    q_BTNRK = q_BTHK.reshape(B, T, N, H // N, K)
-    scores = jnp.einsum("btnrk,bnsk->bnrts", q_BTNRK, keys_BNSK.astype(q_BTHK.dtype))
-    scores = scores.astype(jnp.float32) * (K**-0.5)
+    R, S = H // N, keys_BNSK.shape[2]
+    # The R query heads of a kv head go in as R * T rows of one [rows, K] x [K, S] product per
+    # (b, n): 3-D batched dots, which XLA CPU runs at several times the speed of the same einsum
+    # with the head axes left in place (SmolLM2, 8 x 256 tokens: 61 -> 34 ms forward).
+    q_BNIK = jnp.transpose(q_BTHK.reshape(B, T, N, R, K), (0, 2, 3, 1, 4)).reshape(B, N, R * T, K)
+    scores = jnp.einsum("bnik,bnsk->bnis", q_BNIK, keys_BNSK.astype(q_BTHK.dtype))
+    scores = scores.astype(jnp.float32).reshape(B, N, R, T, S) * (K**-0.5)
     scores = jnp.where(allowed_BTS[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values_BNSK.dtype)
-    return jnp.einsum("bnrts,bnsk->btnrk", probs, values_BNSK).reshape(B, T, H, K)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values_BNSK.dtype).reshape(B, N, R * T, S)
+    out_BNRTK = jnp.einsum("bnis,bnsk->bnik", probs, values_BNSK).reshape(B, N, R, T, K)
+    return jnp.transpose(out_BNRTK, (0, 3, 1, 2, 4)).reshape(B, T, H, K)
 
 
 def _attend_one(q_BTHK: Array, keys_BNSK: Array, values_BNSK: Array, allowed_BTS: Array) -> Array:
@@ -288,7 +306,7 @@ class GatedDeltaNet(nnx.Module):
         W = cfg.linear_conv_kernel
         keep_BT1 = valid_BT[..., None]
         x_BTD = jnp.where(keep_BT1, x_BTD, 0)
-        mixed_BTC = jnp.einsum("btd,dc->btc", x_BTD, self.in_proj_qkv[...])
+        mixed_BTC = linear(x_BTD, self.in_proj_qkv[...])
         if cache is None:
             window_BWC = jnp.zeros((B, W - 1, mixed_BTC.shape[-1]), mixed_BTC.dtype)
             state = None
@@ -316,8 +334,8 @@ class GatedDeltaNet(nnx.Module):
         k_BTHK = conv_BTC[..., cfg.gdn_key_dim : 2 * cfg.gdn_key_dim].reshape(B, T, hk, kd)
         v_BTHV = conv_BTC[..., 2 * cfg.gdn_key_dim :].reshape(B, T, hv, cfg.linear_value_head_dim)
         q_BTHK, k_BTHK = l2_normalize(q_BTHK), l2_normalize(k_BTHK)
-        b_BTH = jnp.einsum("btd,dh->bth", x_BTD, self.in_proj_b[...]).astype(jnp.float32)
-        a_BTH = jnp.einsum("btd,dh->bth", x_BTD, self.in_proj_a[...]).astype(jnp.float32)
+        b_BTH = linear(x_BTD, self.in_proj_b[...]).astype(jnp.float32)
+        a_BTH = linear(x_BTD, self.in_proj_a[...]).astype(jnp.float32)
         beta_BTH = jax.nn.sigmoid(b_BTH)
         g_BTH = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a_BTH + self.dt_bias[...].astype(jnp.float32)
@@ -330,10 +348,10 @@ class GatedDeltaNet(nnx.Module):
         v_BTHV = jnp.where(keep_BT1[..., None], v_BTHV, 0)
         out_BTHV, state = gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state)
 
-        z_BTHV = jnp.einsum("btd,dc->btc", x_BTD, self.in_proj_z[...]).reshape(out_BTHV.shape)
+        z_BTHV = linear(x_BTD, self.in_proj_z[...]).reshape(out_BTHV.shape)
         out_BTHV = rms_norm(out_BTHV, self.norm.weight[...], cfg.rms_norm_eps).astype(jnp.float32)
         out_BTHV = (out_BTHV * jax.nn.silu(z_BTHV.astype(jnp.float32))).astype(x_BTD.dtype)
-        out_BTD = jnp.einsum("btc,cd->btd", out_BTHV.reshape(B, T, -1), self.out_proj[...])
+        out_BTD = linear(out_BTHV.reshape(B, T, -1), self.out_proj[...])
 
         new_cache = None
         if cache is not None:

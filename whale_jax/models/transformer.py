@@ -28,6 +28,7 @@ from whale_jax.models.layers import (
     Attention,
     GatedDeltaNet,
     RMSNorm,
+    linear,
     make_param,
     segment_starts,
 )
@@ -205,10 +206,10 @@ class Transformer(nnx.Module):
     def logits(self, h_BTD: Array) -> Array:
         h_BTD = self.final_norm(h_BTD)
         if self.cfg.tie_word_embeddings:
-            out = jnp.einsum("btd,vd->btv", h_BTD, self.embed[...])
+            head_DV = self.embed[...].T  # a transposed operand of the dot, not a copy
         else:
-            out = jnp.einsum("btd,dv->btv", h_BTD, self.lm_head[...])
-        return out.astype(jnp.float32)
+            head_DV = self.lm_head[...]
+        return linear(h_BTD, head_DV).astype(jnp.float32)
 
     def hidden(
         self,

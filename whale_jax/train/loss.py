@@ -8,46 +8,57 @@ is the token mean over all its microbatches,
 
 so this module returns the sum and the trainer divides once by the minibatch's count.
 
-Qwen3.5's vocabulary has 248,320 entries: a [tokens, vocab] fp32 array of a whole microbatch would
-be tens of GB. The final hidden states are therefore cut along T into chunks of ``chunk`` tokens;
-a scan computes each chunk's logits, log-sum-exp and target logit under ``jax.checkpoint``, so at
-most one [B, chunk, vocab] block exists at a time, forward and backward.
+Only the predicting positions reach the LM head. The host lists them per row
+(``packing.pick_predictions``: [B, P] indices, P rounded up to a few sizes so shapes stay few, pads with
+weight 0), and the loss gathers those hidden states: a row whose prompt is half its tokens pays
+for half the head. The head is the largest single matmul of a small model (SmolLM2-135M: a fifth
+of a training step's work, Qwen3.5's 248,320-entry vocabulary more).
+
+The head's gradient is computed in the forward pass (``_head_nll``, a custom VJP): each chunk of
+``chunk`` positions per row makes its [B, chunk, vocab] fp32 logits once, and from the softmax
+the gradients of the hidden states and of the head weight at once, so the backward pass does not
+recompute the logits (three head-sized matmuls per chunk instead of four) and a whole
+microbatch's [tokens, vocab] array never exists (tens of GB at Qwen3.5's vocabulary).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from whale_jax.models.layers import linear
 from whale_jax.models.transformer import Transformer
 
 Array = jax.Array
-
-
-def targets_and_weights(tokens_BT: Array, segments_BT: Array, mask_BT: Array):
-    """Next-token targets and the 0/1 weight of each prediction (trained target, same segment)."""
-    target_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))
-    next_seg_BT = jnp.pad(segments_BT[:, 1:], ((0, 0), (0, 1)))
-    next_mask_BT = jnp.pad(mask_BT[:, 1:], ((0, 0), (0, 1)))
-    weight_BT = next_mask_BT & (next_seg_BT == segments_BT) & (segments_BT > 0)
-    return target_BT, weight_BT.astype(jnp.float32)
 
 
 def nll_sum(
     model: Transformer,
     tokens_BT: Array,
     segments_BT: Array,
-    mask_BT: Array,
+    pick_BP: Array,
+    weight_BP: Array,
     *,
     chunk: int = 256,
     remat: bool = True,
     act_sharding=None,
+    head_sharding=None,
 ) -> tuple[Array, Array]:
     """(sum of the trained tokens' NLL, number of trained tokens) over one microbatch, fp32.
-    ``act_sharding``: the layout of [B, T, D] activations (``Transformer.hidden``)."""
+    ``pick_BP``/``weight_BP`` from ``packing.pick_predictions``; ``act_sharding``: the layout of [B, T, D]
+    activations (``Transformer.hidden``); ``head_sharding``: the head weight's (its gradient is
+    accumulated in that layout)."""
     h_BTD = model.hidden(tokens_BT, segments_BT=segments_BT, remat=remat, act_sharding=act_sharding)
     return nll_from_hidden(
-        model, h_BTD, tokens_BT, segments_BT, mask_BT, chunk=chunk, act_sharding=act_sharding
+        model,
+        h_BTD,
+        tokens_BT,
+        pick_BP,
+        weight_BP,
+        chunk=chunk,
+        act_sharding=act_sharding,
+        head_sharding=head_sharding,
     )
 
 
@@ -55,38 +66,98 @@ def nll_from_hidden(
     model: Transformer,
     h_BTD: Array,
     tokens_BT: Array,
-    segments_BT: Array,
-    mask_BT: Array,
+    pick_BP: Array,
+    weight_BP: Array,
     *,
     chunk: int = 256,
     act_sharding=None,
+    head_sharding=None,
 ) -> tuple[Array, Array]:
     """``nll_sum`` from the final hidden states (before the final norm)."""
-    target_BT, weight_BT = targets_and_weights(tokens_BT, segments_BT, mask_BT)
-    B, T, D = h_BTD.shape
-    C = min(chunk, T)
-    n = -(-T // C)
-    pad = n * C - T
-    if pad:
-        h_BTD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0)))
-        target_BT = jnp.pad(target_BT, ((0, 0), (0, pad)))
-        weight_BT = jnp.pad(weight_BT, ((0, 0), (0, pad)))
-    # [n, B, C, ...]: the scan walks the chunks; the batch axis (and its sharding) stays put.
-    h_NBCD = h_BTD.reshape(B, n, C, D).swapaxes(0, 1)
-    target_NBC = target_BT.reshape(B, n, C).swapaxes(0, 1)
-    weight_NBC = weight_BT.reshape(B, n, C).swapaxes(0, 1)
+    T = tokens_BT.shape[1]
+    pick_BP = jnp.asarray(pick_BP, jnp.int32)
+    weight_BP = jnp.asarray(weight_BP, jnp.float32)
+    target_BP = jnp.take_along_axis(jnp.asarray(tokens_BT), jnp.minimum(pick_BP + 1, T - 1), axis=1)
+    h_BPD = jnp.take_along_axis(h_BTD, pick_BP[..., None], axis=1)
+    hn_BPD = model.final_norm(h_BPD)
+    tied = model.cfg.tie_word_embeddings
+    head = model.embed[...] if tied else model.lm_head[...]
+    total = _head_nll(chunk, tied, act_sharding, head_sharding)(hn_BPD, head, target_BP, weight_BP)
+    return total, jnp.sum(weight_BP)
 
-    @jax.checkpoint
-    def chunk_nll(h_BCD, target_BC, weight_BC):
-        if act_sharding is not None:  # rows stay on their devices; the vocabulary is not gathered
-            h_BCD = jax.lax.with_sharding_constraint(h_BCD, act_sharding)
-        logits_BCV = model.logits(h_BCD)  # fp32
-        lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
-        picked_BC = jnp.take_along_axis(logits_BCV, target_BC[..., None], axis=-1)[..., 0]
-        return jnp.sum((lse_BC - picked_BC) * weight_BC)
 
-    def body(total, xs):
-        return total + chunk_nll(*xs), None
+def _head_nll(chunk: int, tied: bool, act_sharding, head_sharding):
+    """sum over positions of weight * (logsumexp(logits) - logits[target]) with logits = h @ W
+    (W [D, V], or [V, D] when ``tied``), as a function whose VJP was computed in its forward."""
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_NBCD, target_NBC, weight_NBC))
-    return total, jnp.sum(weight_BT)
+    def logits_of(h_BCD, W):
+        return linear(h_BCD, W.T if tied else W).astype(jnp.float32)
+
+    def run(h_BPD, W, target_BP, weight_BP, grads: bool):
+        B, P, D = h_BPD.shape
+        C = min(chunk, P)
+        n = -(-P // C)
+        pad = n * C - P
+        if pad:  # pads carry weight 0: no loss, no gradient
+            h_BPD = jnp.pad(h_BPD, ((0, 0), (0, pad), (0, 0)))
+            target_BP = jnp.pad(target_BP, ((0, 0), (0, pad)))
+            weight_BP = jnp.pad(weight_BP, ((0, 0), (0, pad)))
+        # [n, B, C, ...]: the scan walks the chunks; the batch axis (and its sharding) stays put.
+        xs = (
+            h_BPD.reshape(B, n, C, D).swapaxes(0, 1),
+            target_BP.reshape(B, n, C).swapaxes(0, 1),
+            weight_BP.reshape(B, n, C).swapaxes(0, 1),
+        )
+
+        def body(carry, x):
+            total, dW = carry
+            h_BCD, target_BC, weight_BC = x
+            if (
+                act_sharding is not None
+            ):  # rows stay on their devices; the vocabulary is not gathered
+                h_BCD = jax.lax.with_sharding_constraint(h_BCD, act_sharding)
+            logits_BCV = logits_of(h_BCD, W)
+            lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+            picked_BC = jnp.take_along_axis(logits_BCV, target_BC[..., None], axis=-1)[..., 0]
+            total = total + jnp.sum((lse_BC - picked_BC) * weight_BC)
+            if not grads:
+                return (total, dW), None
+            # d/dlogits of weight * (lse - logit[target]) = weight * (softmax - onehot(target)).
+            V = logits_BCV.shape[-1]
+            probs_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
+            onehot_BCV = target_BC[..., None] == jnp.arange(V)
+            dlogits_BCV = (probs_BCV - onehot_BCV) * weight_BC[..., None]
+            dlogits_BCV = dlogits_BCV.astype(h_BCD.dtype)
+            dh_BCD = linear(dlogits_BCV, W if tied else W.T)
+            h_ND, dl_NV = h_BCD.reshape(-1, D), dlogits_BCV.reshape(-1, V)
+            if tied:  # W [V, D]
+                step = jnp.dot(dl_NV.T, h_ND, preferred_element_type=jnp.float32)
+            else:
+                step = jnp.dot(h_ND.T, dl_NV, preferred_element_type=jnp.float32)
+            return (total, dW + step), dh_BCD
+
+        dW = jnp.zeros(W.shape, jnp.float32) if grads else jnp.zeros((), jnp.float32)
+        if grads and head_sharding is not None:
+            dW = jax.lax.with_sharding_constraint(dW, head_sharding)
+        (total, dW), dh = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dW), xs)
+        if not grads:
+            return total
+        dh_BPD = dh.swapaxes(0, 1).reshape(B, n * C, D)[:, :P]
+        return total, dh_BPD, dW
+
+    @jax.custom_vjp
+    def head_nll(h_BPD, W, target_BP, weight_BP):
+        return run(h_BPD, W, target_BP, weight_BP, grads=False)
+
+    def forward(h_BPD, W, target_BP, weight_BP):
+        total, dh_BPD, dW = run(h_BPD, W, target_BP, weight_BP, grads=True)
+        return total, (dh_BPD, dW.astype(W.dtype), weight_BP, target_BP)
+
+    def backward(residuals, g):
+        dh_BPD, dW, weight_BP, target_BP = residuals
+        target_zero = np.zeros(target_BP.shape, jax.dtypes.float0)
+        dh_BPD, dW = (g * dh_BPD).astype(dh_BPD.dtype), (g * dW).astype(dW.dtype)
+        return dh_BPD, dW, target_zero, jnp.zeros_like(weight_BP)
+
+    head_nll.defvjp(forward, backward)
+    return head_nll

@@ -26,6 +26,39 @@ import numpy as np
 from whale_jax.train.rows import Row
 
 
+def trained_predictions(segments_BT: np.ndarray, mask_BT: np.ndarray) -> np.ndarray:
+    """[B, T] bool, on the host: position t's prediction of token t+1 is trained (t+1 is masked
+    in and in t's segment, t is not a pad). The one definition of what the loss counts."""
+    segments_BT, mask_BT = np.asarray(segments_BT), np.asarray(mask_BT, bool)
+    out = np.zeros(segments_BT.shape, bool)
+    same = segments_BT[:, 1:] == segments_BT[:, :-1]
+    out[:, :-1] = mask_BT[:, 1:] & same & (segments_BT[:, :-1] > 0)
+    return out
+
+
+def pick_width(segments_BT: np.ndarray, mask_BT: np.ndarray, buckets: int = 4) -> int:
+    """P for ``pick_predictions``: the longest row's count of predicting positions rounded up to a
+    multiple of T / ``buckets`` (at most ``buckets`` loss shapes per sequence length)."""
+    T = np.shape(segments_BT)[1]
+    quantum = max(-(-T // max(buckets, 1)), 1)
+    longest = int(trained_predictions(segments_BT, mask_BT).sum(1).max(initial=0))
+    return min(max(-(-longest // quantum), 1) * quantum, T)
+
+
+def pick_predictions(
+    segments_BT: np.ndarray, mask_BT: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(pick_BP int32, weight_BP float32) with P = ``width`` (at least ``pick_width``; hosts agree
+    on one): each row's predicting positions in order, then pads (index 0, weight 0)."""
+    pred_BT = trained_predictions(segments_BT, mask_BT)
+    if width < int(pred_BT.sum(1).max(initial=0)):
+        raise ValueError(f"width {width} is below a row's count of trained predictions")
+    order_BT = np.argsort(~pred_BT, axis=1, kind="stable")[:, :width]  # trained first, in order
+    weight_BP = np.take_along_axis(pred_BT, order_BT, axis=1)
+    pick_BP = np.where(weight_BP, order_BT, 0).astype(np.int32)
+    return pick_BP, weight_BP.astype(np.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Microbatch:
     """``tokens``, ``segments`` (0 = pad), ``mask`` (trained tokens): int32/int32/bool
@@ -38,9 +71,15 @@ class Microbatch:
     @property
     def trained_tokens(self) -> int:
         """Trained tokens that something predicts: masked in and not the first of a segment (the
-        loss's count, ``loss.targets_and_weights``)."""
-        before = np.pad(self.segments[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-        return int((self.mask & (self.segments == before) & (self.segments > 0)).sum())
+        loss's count, ``trained_predictions``)."""
+        return int(trained_predictions(self.segments, self.mask).sum())
+
+    def pick_width(self, buckets: int = 4) -> int:
+        return pick_width(self.segments, self.mask, buckets)
+
+    def picks(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """The loss's predicting positions per sequence (``pick_predictions``)."""
+        return pick_predictions(self.segments, self.mask, width)
 
     @property
     def real_tokens(self) -> int:

@@ -76,12 +76,15 @@ class TrainConfig:
     compute_dtype: str = "float32"  # float32 | bfloat16; master weights stay fp32
     remat: bool = True  # rematerialise each layer group in the backward pass
     loss_chunk: int = 256  # tokens per row whose logits exist at once
+    loss_buckets: int = 4  # loss widths per sequence length: trained positions per row, rounded up
 
     def __post_init__(self):
         if self.compute_dtype not in _DTYPES:
             raise ValueError(f"compute_dtype must be one of {sorted(_DTYPES)}")
         if self.seq_len < 2 or self.micro_tokens < 1 or self.loss_chunk < 1:
             raise ValueError("seq_len >= 2, micro_tokens >= 1 and loss_chunk >= 1 are required")
+        if self.loss_buckets < 1:
+            raise ValueError(f"loss_buckets must be at least 1, got {self.loss_buckets}")
 
 
 def make_schedule(c: OptimConfig) -> optax.Schedule:
@@ -127,7 +130,7 @@ def param_shardings(state, mesh: Mesh):
 
 
 def process_max(value: int) -> int:
-    """The largest ``value`` over all hosts (every host must run the same number of steps)."""
+    """The largest ``value`` over all hosts (every host must run the same steps and shapes)."""
     if jax.process_count() == 1:
         return int(value)
     from jax.experimental import multihost_utils
@@ -211,23 +214,28 @@ class Trainer:
         cgraph, dtypes = self._compute_graphdef, self._compute_dtypes
         zero = NamedSharding(self.mesh, PartitionSpec())
 
-        def loss_sum(params, tokens, segments, mask):
+        head = "embed" if self.cfg.tie_word_embeddings else "lm_head"
+        head_sharding = self.shardings[head].get_value()
+
+        def loss_sum(params, tokens, segments, pick, weight):
             cast = jax.tree.map(lambda a, d: a.astype(d), params, dtypes)
             model = nnx.merge(cgraph, cast)
             return nll_sum(
                 model,
                 tokens,
                 segments,
-                mask,
+                pick,
+                weight,
                 chunk=c.loss_chunk,
                 remat=c.remat,
                 act_sharding=self._act_sharding,
+                head_sharding=head_sharding,
             )  # (sum, count)
 
         grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
 
-        def accumulate(params, acc, nll, tokens, segments, mask):
-            (total, _), grads = grad_fn(params, tokens, segments, mask)
+        def accumulate(params, acc, nll, tokens, segments, pick, weight):
+            (total, _), grads = grad_fn(params, tokens, segments, pick, weight)
             acc = jax.tree.map(jnp.add, acc, grads)
             return acc, nll + total
 
@@ -283,17 +291,21 @@ class Trainer:
         count = process_sum(sum(b.trained_tokens for b in batches))
         if count == 0:
             return None, None, count, batches
+        # Loss positions per sequence: one width for the whole step and every host (one shape).
+        width = process_max(max(b.pick_width(self.config.loss_buckets) for b in batches))
         acc = self._zeros(self.params)
         nll = jnp.zeros((), jnp.float32)
         for b in batches:
-            self._signatures.setdefault("accumulate", set()).add(b.tokens.shape)
+            pick, weight = b.picks(width)
+            self._signatures.setdefault("accumulate", set()).add((b.tokens.shape, width))
             acc, nll = self._accumulate(
                 self.params,
                 acc,
                 nll,
                 self._global(b.tokens),
                 self._global(b.segments),
-                self._global(b.mask),
+                self._global(pick),
+                self._global(weight),
             )
         return acc, nll, count, batches
 
