@@ -50,6 +50,14 @@ def linear(x: Array, w: Array, contract: int = 1) -> Array:
     return y.reshape(*lead, *out)
 
 
+def linear_t(x: Array, w_OI: Array) -> Array:
+    """``x [..., I] @ w_OI.T`` for a weight stored [out, in] (the tied embedding as LM head), one
+    2-D matmul contracting both operands' last axes: no transposed copy of the weight (on an
+    FSDP mesh that copy would be gathered whole besides the weight itself)."""
+    y = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), w_OI, (((1,), (1,)), ((), ())))
+    return y.reshape(*x.shape[:-1], w_OI.shape[0])
+
+
 def rms_norm(x: Array, weight: Array, eps: float, offset: float = 0.0) -> Array:
     """x / rms(x) * (offset + w), computed in fp32. offset=1 is Qwen3.5's zero-centred norm."""
     x32 = x.astype(jnp.float32)

@@ -29,6 +29,7 @@ from whale_jax.models.layers import (
     GatedDeltaNet,
     RMSNorm,
     linear,
+    linear_t,
     make_param,
     segment_starts,
 )
@@ -206,10 +207,8 @@ class Transformer(nnx.Module):
     def logits(self, h_BTD: Array) -> Array:
         h_BTD = self.final_norm(h_BTD)
         if self.cfg.tie_word_embeddings:
-            head_DV = self.embed[...].T  # a transposed operand of the dot, not a copy
-        else:
-            head_DV = self.lm_head[...]
-        return linear(h_BTD, head_DV).astype(jnp.float32)
+            return linear_t(h_BTD, self.embed[...]).astype(jnp.float32)
+        return linear(h_BTD, self.lm_head[...]).astype(jnp.float32)
 
     def hidden(
         self,

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from whale_jax.models.layers import linear
+from whale_jax.models.layers import linear, linear_t
 from whale_jax.models.transformer import Transformer
 
 Array = jax.Array
@@ -91,7 +91,7 @@ def _head_nll(chunk: int, tied: bool, act_sharding, head_sharding):
     (W [D, V], or [V, D] when ``tied``), as a function whose VJP was computed in its forward."""
 
     def logits_of(h_BCD, W):
-        return linear(h_BCD, W.T if tied else W).astype(jnp.float32)
+        return (linear_t(h_BCD, W) if tied else linear(h_BCD, W)).astype(jnp.float32)
 
     def run(h_BPD, W, target_BP, weight_BP, grads: bool):
         B, P, D = h_BPD.shape
@@ -128,7 +128,7 @@ def _head_nll(chunk: int, tied: bool, act_sharding, head_sharding):
             onehot_BCV = target_BC[..., None] == jnp.arange(V)
             dlogits_BCV = (probs_BCV - onehot_BCV) * weight_BC[..., None]
             dlogits_BCV = dlogits_BCV.astype(h_BCD.dtype)
-            dh_BCD = linear(dlogits_BCV, W if tied else W.T)
+            dh_BCD = linear(dlogits_BCV, W) if tied else linear_t(dlogits_BCV, W)
             h_ND, dl_NV = h_BCD.reshape(-1, D), dlogits_BCV.reshape(-1, V)
             if tied:  # W [V, D]
                 step = jnp.dot(dl_NV.T, h_ND, preferred_element_type=jnp.float32)
