@@ -13,8 +13,10 @@ on the mesh by the logical-axis table (FSDP by default), and an optax AdamW stat
    not finite: then weights and optimizer state stay as they were and the step reports it.
 
 Rematerialisation is chosen per call (``TrainConfig.remat``), not frozen in the model. Shapes are
-static per layout, so a run compiles the accumulate and apply steps once each (bucketed: once per
-bucket); ``compile_counts`` says how many.
+static per layout: a run compiles the apply step once and the accumulate step once per sequence
+shape (bucketed: per bucket) and loss width (at most ``loss_buckets`` per sequence length: the
+trained positions per sequence, rounded up, one width per step for all hosts);
+``compile_counts`` says how many.
 """
 
 from __future__ import annotations
