@@ -60,3 +60,23 @@ def test_microbatch_shapes_padding_and_pad_fraction():
     assert sum(b.real_tokens for b in bucketed) == 174
     padded = microbatches(rows, seq_len=64, micro_tokens=128, min_microbatches=5)
     assert len(padded) == 5 and padded[-1].real_tokens == 0
+
+
+def test_loss_positions_are_the_trained_predictions_in_order_with_few_widths():
+    from whale_jax.train.packing import pick_predictions, pick_width, trained_predictions
+
+    segments = np.array([[1, 1, 1, 2, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], np.int32)
+    mask = np.array([[0, 1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 1, 1, 0]], bool)
+    pred = trained_predictions(segments, mask)
+    # Row 0: 0->1, 1->2 in segment 1; 3 starts segment 2 (not predicted); 3->4, 4->5. Row 1: 4, 5.
+    assert np.flatnonzero(pred[0]).tolist() == [0, 1, 3, 4]
+    assert np.flatnonzero(pred[1]).tolist() == [4, 5]
+    assert pick_width(segments, mask, buckets=4) == 4  # longest row 4, quantum 8 / 4 = 2
+    assert pick_width(segments, mask, buckets=2) == 4  # quantum 4
+    assert pick_width(segments, mask, buckets=1) == 8  # one width: the whole sequence
+    pick, weight = pick_predictions(segments, mask, 6)
+    assert pick.tolist() == [[0, 1, 3, 4, 0, 0], [4, 5, 0, 0, 0, 0]]
+    assert weight.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]]
+    for bad in (3, 9):  # below a row's count, above the sequence length
+        with pytest.raises(ValueError, match="width"):
+            pick_predictions(segments, mask, bad)

@@ -9,10 +9,10 @@ is the token mean over all its microbatches,
 so this module returns the sum and the trainer divides once by the minibatch's count.
 
 Only the predicting positions reach the LM head. The host lists them per row
-(``packing.pick_predictions``: [B, P] indices, P rounded up to a few sizes so shapes stay few, pads with
-weight 0), and the loss gathers those hidden states: a row whose prompt is half its tokens pays
-for half the head. The head is the largest single matmul of a small model (SmolLM2-135M: a fifth
-of a training step's work, Qwen3.5's 248,320-entry vocabulary more).
+(``packing.pick_predictions``: [B, P] indices, P rounded up to a few sizes so shapes stay few,
+pads with weight 0), and the loss gathers those hidden states: a row whose prompt is half its
+tokens pays for half the head. The head is the largest single matmul of a small model
+(SmolLM2-135M: a fifth of a training step's work; with Qwen3.5's 248,320-entry vocabulary more).
 
 The head's gradient is computed in the forward pass (``_head_nll``, a custom VJP): each chunk of
 ``chunk`` positions per row makes its [B, chunk, vocab] fp32 logits once, and from the softmax
@@ -46,9 +46,9 @@ def nll_sum(
     head_sharding=None,
 ) -> tuple[Array, Array]:
     """(sum of the trained tokens' NLL, number of trained tokens) over one microbatch, fp32.
-    ``pick_BP``/``weight_BP`` from ``packing.pick_predictions``; ``act_sharding``: the layout of [B, T, D]
-    activations (``Transformer.hidden``); ``head_sharding``: the head weight's (its gradient is
-    accumulated in that layout)."""
+    ``pick_BP``/``weight_BP`` from ``packing.pick_predictions``; ``act_sharding``: the layout of
+    [B, T, D] activations (``Transformer.hidden``); ``head_sharding``: the head weight's (its
+    gradient is accumulated in that layout)."""
     h_BTD = model.hidden(tokens_BT, segments_BT=segments_BT, remat=remat, act_sharding=act_sharding)
     return nll_from_hidden(
         model,

@@ -51,8 +51,11 @@ def pick_predictions(
     """(pick_BP int32, weight_BP float32) with P = ``width`` (at least ``pick_width``; hosts agree
     on one): each row's predicting positions in order, then pads (index 0, weight 0)."""
     pred_BT = trained_predictions(segments_BT, mask_BT)
-    if width < int(pred_BT.sum(1).max(initial=0)):
-        raise ValueError(f"width {width} is below a row's count of trained predictions")
+    if width < int(pred_BT.sum(1).max(initial=0)) or width > pred_BT.shape[1]:
+        raise ValueError(
+            f"width {width} must lie between the largest row count of trained predictions "
+            f"and the sequence length {pred_BT.shape[1]}"
+        )
     order_BT = np.argsort(~pred_BT, axis=1, kind="stable")[:, :width]  # trained first, in order
     weight_BP = np.take_along_axis(pred_BT, order_BT, axis=1)
     pick_BP = np.where(weight_BP, order_BT, 0).astype(np.int32)

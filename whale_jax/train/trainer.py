@@ -293,13 +293,14 @@ class Trainer:
         count = process_sum(sum(b.trained_tokens for b in batches))
         if count == 0:
             return None, None, count, batches
-        # Loss positions per sequence: one width for the whole step and every host (one shape).
+        # Loss positions per sequence: one width for the whole step and every host (one shape per
+        # sequence length; a bucket shorter than the width takes all its positions).
         width = process_max(max(b.pick_width(self.config.loss_buckets) for b in batches))
         acc = self._zeros(self.params)
         nll = jnp.zeros((), jnp.float32)
         for b in batches:
-            pick, weight = b.picks(width)
-            self._signatures.setdefault("accumulate", set()).add((b.tokens.shape, width))
+            pick, weight = b.picks(min(width, b.tokens.shape[1]))
+            self._signatures.setdefault("accumulate", set()).add((b.tokens.shape, pick.shape))
             acc, nll = self._accumulate(
                 self.params,
                 acc,
