@@ -25,10 +25,10 @@ from bench_model import machine_info, save_results  # noqa: E402
 from harness.domains.arith import ArithDomain, generate  # noqa: E402
 from harness.executor import Executor, ExecutorConfig  # noqa: E402
 from harness.model_api import SamplingSettings  # noqa: E402
-from harness.records import task_rewards  # noqa: E402
 from harness.splits import split_by_hash  # noqa: E402
 from whale_jax.client import EngineClient  # noqa: E402
 from whale_jax.loading import load_model  # noqa: E402
+from whale_jax.loop.run import mean_at_k as loop_mean_at_k  # noqa: E402
 from whale_jax.train import (  # noqa: E402
     DataCursor,
     OptimConfig,
@@ -42,9 +42,7 @@ from whale_jax.train import (  # noqa: E402
 def mean_at_k(executor, source, domain, tasks, k, step) -> tuple[float, float]:
     t0 = time.perf_counter()
     records = executor.run(source, domain, tasks, samples=k, run_id=f"eval{step}", step=-1 - step)
-    rewards = task_rewards(records, tasks)
-    score = sum(rewards) / len(rewards)
-    return score, time.perf_counter() - t0
+    return loop_mean_at_k(records, tasks), time.perf_counter() - t0
 
 
 def main(argv=None) -> int:

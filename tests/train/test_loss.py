@@ -30,7 +30,8 @@ def batch(vocab, seed=0):
 def test_loss_equals_a_hand_computation(tiny):
     model, cfg, _ = tiny
     tokens, segments, mask = batch(cfg.vocab_size)
-    pick, weight = pick_predictions(segments, mask, segments.shape[1])  # all 11 positions
+    pred = trained_predictions(segments, mask)
+    pick, weight = pick_predictions(pred, segments.shape[1])  # all 11 positions
     total, count = nll_sum(model, tokens, segments, pick, weight, chunk=4)  # 4 + 4 + 3: ragged
     # By hand: each sequence alone through the plain forward, log-softmax, the next token's entry.
     expected, n = 0.0, 0
@@ -53,7 +54,8 @@ def test_untrained_positions_get_exactly_zero_gradient(tiny):
     model, cfg, _ = tiny
     tokens, segments, mask = batch(cfg.vocab_size, seed=1)
     h = model.hidden(jnp.asarray(tokens), segments_BT=jnp.asarray(segments))
-    pick, weight = pick_predictions(segments, mask, pick_width(segments, mask))
+    pred = trained_predictions(segments, mask)
+    pick, weight = pick_predictions(pred, pick_width(pred))
     grad = jax.grad(lambda h: nll_from_hidden(model, h, tokens, pick, weight, chunk=4)[0])(h)
     grad = np.abs(np.asarray(grad)).sum(-1)
     target_trained = np.zeros_like(mask)
@@ -71,9 +73,10 @@ def test_head_gradient_from_the_forward_equals_autodiff_of_the_plain_loss(fixtur
     model, cfg, _ = whale_jax.load_model(fixtures_dir / name)
     tokens, segments, mask = batch(cfg.vocab_size, seed=2)
     graphdef, state = nnx.split(model)
-    width = pick_width(segments, mask, buckets=2)  # 6 of 11: fewer positions than tokens
+    pred = trained_predictions(segments, mask)
+    width = pick_width(pred, buckets=2)  # 6 of 11: fewer positions than tokens
     assert width < tokens.shape[1]
-    pick, weight = pick_predictions(segments, mask, width)
+    pick, weight = pick_predictions(pred, width)
 
     def ours(state):
         return nll_sum(nnx.merge(graphdef, state), tokens, segments, pick, weight, chunk=4)[0]
@@ -83,7 +86,7 @@ def test_head_gradient_from_the_forward_equals_autodiff_of_the_plain_loss(fixtur
         logp = jax.nn.log_softmax(m.logits(m.hidden(jnp.asarray(tokens), segments_BT=segments)))
         target = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
         picked = jnp.take_along_axis(logp, jnp.asarray(target)[..., None], axis=-1)[..., 0]
-        return -jnp.sum(picked * trained_predictions(segments, mask))
+        return -jnp.sum(picked * pred)
 
     value, grads = jax.value_and_grad(ours)(state)
     expected_value, expected = jax.value_and_grad(plain)(state)

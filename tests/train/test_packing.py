@@ -71,12 +71,12 @@ def test_loss_positions_are_the_trained_predictions_in_order_with_few_widths():
     # Row 0: 0->1, 1->2 in segment 1; 3 starts segment 2 (not predicted); 3->4, 4->5. Row 1: 4, 5.
     assert np.flatnonzero(pred[0]).tolist() == [0, 1, 3, 4]
     assert np.flatnonzero(pred[1]).tolist() == [4, 5]
-    assert pick_width(segments, mask, buckets=4) == 4  # longest row 4, quantum 8 / 4 = 2
-    assert pick_width(segments, mask, buckets=2) == 4  # quantum 4
-    assert pick_width(segments, mask, buckets=1) == 8  # one width: the whole sequence
-    pick, weight = pick_predictions(segments, mask, 6)
+    assert pick_width(pred, buckets=4) == 4  # longest row 4, quantum 8 / 4 = 2
+    assert pick_width(pred, buckets=2) == 4  # quantum 4
+    assert pick_width(pred, buckets=1) == 8  # one width: the whole sequence
+    pick, weight = pick_predictions(pred, 6)
     assert pick.tolist() == [[0, 1, 3, 4, 0, 0], [4, 5, 0, 0, 0, 0]]
     assert weight.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]]
     for bad in (3, 9):  # below a row's count, above the sequence length
         with pytest.raises(ValueError, match="width"):
-            pick_predictions(segments, mask, bad)
+            pick_predictions(pred, bad)

@@ -44,6 +44,11 @@ def tiny(fixtures_dir):
 def test_packed_equals_bucketed_and_accumulation_equals_one_microbatch(tiny):
     model, cfg, _ = tiny
     rows = rows_for(cfg.vocab_size, [37, 5, 70, 12, 64, 3])
+    # A row trained on all but 10 of 120 tokens: the step's loss width (128) exceeds the 64-token
+    # bucket, which must then take all its positions.
+    ids = tuple(int(x) for x in np.random.default_rng(9).integers(0, cfg.vocab_size, 120))
+    rows.append(Row(ids=ids, mask=(False,) * 10 + (True,) * 110, episode=6, task_id="t6",
+                    session_id="s6"))  # fmt: skip
     results = {}
     for name, config in {
         "packed": TrainConfig(seq_len=128, micro_tokens=128),  # 2 sequences, 2 microbatches

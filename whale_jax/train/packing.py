@@ -19,6 +19,7 @@ sequence count, so a small minibatch does not pay for a full one and shapes stay
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,21 +37,20 @@ def trained_predictions(segments_BT: np.ndarray, mask_BT: np.ndarray) -> np.ndar
     return out
 
 
-def pick_width(segments_BT: np.ndarray, mask_BT: np.ndarray, buckets: int = 4) -> int:
-    """P for ``pick_predictions``: the longest row's count of predicting positions rounded up to a
-    multiple of T / ``buckets`` (at most ``buckets`` loss shapes per sequence length)."""
-    T = np.shape(segments_BT)[1]
+def pick_width(pred_BT: np.ndarray, buckets: int = 4) -> int:
+    """P for ``pick_predictions`` from ``trained_predictions``: the longest row's count of
+    predicting positions rounded up to a multiple of T / ``buckets`` (at most ``buckets`` loss
+    shapes per sequence length)."""
+    T = pred_BT.shape[1]
     quantum = max(-(-T // max(buckets, 1)), 1)
-    longest = int(trained_predictions(segments_BT, mask_BT).sum(1).max(initial=0))
+    longest = int(pred_BT.sum(1).max(initial=0))
     return min(max(-(-longest // quantum), 1) * quantum, T)
 
 
-def pick_predictions(
-    segments_BT: np.ndarray, mask_BT: np.ndarray, width: int
-) -> tuple[np.ndarray, np.ndarray]:
+def pick_predictions(pred_BT: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """(pick_BP int32, weight_BP float32) with P = ``width`` (at least ``pick_width``; hosts agree
-    on one): each row's predicting positions in order, then pads (index 0, weight 0)."""
-    pred_BT = trained_predictions(segments_BT, mask_BT)
+    on one) from ``trained_predictions``: each row's predicting positions in order, then pads
+    (index 0, weight 0)."""
     if width < int(pred_BT.sum(1).max(initial=0)) or width > pred_BT.shape[1]:
         raise ValueError(
             f"width {width} must lie between the largest row count of trained predictions "
@@ -71,18 +71,23 @@ class Microbatch:
     segments: np.ndarray
     mask: np.ndarray
 
+    @functools.cached_property
+    def predictions(self) -> np.ndarray:
+        """``trained_predictions`` of this microbatch (computed once)."""
+        return trained_predictions(self.segments, self.mask)
+
     @property
     def trained_tokens(self) -> int:
         """Trained tokens that something predicts: masked in and not the first of a segment (the
-        loss's count, ``trained_predictions``)."""
-        return int(trained_predictions(self.segments, self.mask).sum())
+        loss's count)."""
+        return int(self.predictions.sum())
 
     def pick_width(self, buckets: int = 4) -> int:
-        return pick_width(self.segments, self.mask, buckets)
+        return pick_width(self.predictions, buckets)
 
     def picks(self, width: int) -> tuple[np.ndarray, np.ndarray]:
         """The loss's predicting positions per sequence (``pick_predictions``)."""
-        return pick_predictions(self.segments, self.mask, width)
+        return pick_predictions(self.predictions, width)
 
     @property
     def real_tokens(self) -> int:

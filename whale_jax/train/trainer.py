@@ -288,8 +288,10 @@ class Trainer:
     def _accumulate_rows(self, rows: Sequence[Row]):
         """Summed NLL gradient, summed NLL and the global trained-token count over this host's
         rows, through the same number of microbatches on every host."""
-        n_micro = process_max(len(self.microbatches(rows)))
-        batches = self.microbatches(rows, min_microbatches=n_micro)
+        batches = self.microbatches(rows)
+        n_micro = process_max(len(batches))
+        if n_micro > len(batches):  # another host has more: pad with empty microbatches
+            batches = self.microbatches(rows, min_microbatches=n_micro)
         count = process_sum(sum(b.trained_tokens for b in batches))
         if count == 0:
             return None, None, count, batches
