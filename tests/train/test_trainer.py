@@ -66,6 +66,35 @@ def test_packed_equals_bucketed_and_accumulation_equals_one_microbatch(tiny):
         assert max_rel(results[other][1], grads) < 1e-4
 
 
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 1e3, 0.0])  # clipping on, not reached, off
+def test_update_is_optax_clip_then_adamw(tiny, max_grad_norm):
+    """The apply step fuses clipping, the token mean and AdamW into one pass; two steps of it must
+    equal optax's chain (clip_by_global_norm, adamw) applied to loss_and_grad's gradient."""
+    import optax
+
+    model, cfg, _ = tiny
+    # eps near the clipped gradient's entries: AdamW's step then depends on the gradient's scale,
+    # so a clip or a token mean left out changes the weights by a large part of the step.
+    optim = OptimConfig(learning_rate=1e-2, weight_decay=0.1, warmup_steps=1, eps=1e-5,
+                        max_grad_norm=max_grad_norm)  # fmt: skip
+    trainer = Trainer(model, TrainConfig(optim=optim, seq_len=64, micro_tokens=128))
+    params = jax.tree.map(jnp.array, trainer.params)
+    opt_state = trainer.tx.init(params)
+    for seed in (0, 1):  # the second step runs at the schedule's full rate, on moved moments
+        rows = rows_for(cfg.vocab_size, [30, 18], seed=seed)
+        _, grads = trainer.loss_and_grad(rows)
+        norm = float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))))
+        m = trainer.update(rows)
+        assert m.applied and m.grad_norm == pytest.approx(norm, rel=1e-5)
+        updates, opt_state = trainer.tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        # AdamW's step is lr * m / (sqrt(v) + eps) ~ lr per entry: compare the weights' change.
+        moved = jax.tree.map(lambda a, b: a - b, trainer.params, params)
+        assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(moved)) < 1e-2 * 1e-3
+    if max_grad_norm == 1e-3:
+        assert norm > 1e-3  # the clip really acted
+
+
 def test_non_finite_loss_changes_nothing(tiny):
     model, cfg, _ = tiny
     trainer = Trainer(model, TrainConfig(seq_len=64, micro_tokens=64))

@@ -117,16 +117,21 @@ def _head_nll(chunk: int, tied: bool, act_sharding, head_sharding):
             ):  # rows stay on their devices; the vocabulary is not gathered
                 h_BCD = jax.lax.with_sharding_constraint(h_BCD, act_sharding)
             logits_BCV = logits_of(h_BCD, W)
-            lse_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+            # One exp pass serves the loss and the gradient: exp(logits - max) is kept.
+            max_BC = jnp.max(logits_BCV, axis=-1)
+            exp_BCV = jnp.exp(logits_BCV - max_BC[..., None])
+            sum_BC = jnp.sum(exp_BCV, axis=-1)
+            lse_BC = max_BC + jnp.log(sum_BC)
             picked_BC = jnp.take_along_axis(logits_BCV, target_BC[..., None], axis=-1)[..., 0]
             total = total + jnp.sum((lse_BC - picked_BC) * weight_BC)
             if not grads:
                 return (total, dW), None
             # d/dlogits of weight * (lse - logit[target]) = weight * (softmax - onehot(target)).
             V = logits_BCV.shape[-1]
-            probs_BCV = jnp.exp(logits_BCV - lse_BC[..., None])
             onehot_BCV = target_BC[..., None] == jnp.arange(V)
-            dlogits_BCV = (probs_BCV - onehot_BCV) * weight_BC[..., None]
+            dlogits_BCV = (
+                exp_BCV * (weight_BC / sum_BC)[..., None] - onehot_BCV * weight_BC[..., None]
+            )
             dlogits_BCV = dlogits_BCV.astype(h_BCD.dtype)
             dh_BCD = linear(dlogits_BCV, W) if tied else linear_t(dlogits_BCV, W)
             h_ND, dl_NV = h_BCD.reshape(-1, D), dlogits_BCV.reshape(-1, V)

