@@ -260,7 +260,8 @@ class Trainer:
             # SmolLM2 on one core).
             denom = jnp.maximum(count, 1.0)
             loss = nll / denom
-            norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(acc))) / denom
+            # (the division fuses into the reduction; squaring acc itself could overflow first)
+            norm = jnp.sqrt(sum(jnp.sum(jnp.square(g / denom)) for g in jax.tree.leaves(acc)))
             finite = jnp.isfinite(loss) & jnp.isfinite(norm)
             scale = 1.0 / denom
             if max_norm > 0:  # optax.clip_by_global_norm's rule
