@@ -142,10 +142,10 @@ def config_from_flags(f=F) -> cfg.RunConfig:
 
     run_dir = f.run_dir or f"runs/{f.domain}-{f.method}-seed{f.seed}"
     # The flags of each part whose own config checks its values (named in its errors).
-    RSFT_FLAGS = ("prompt_batch", "samples", "reward_threshold", "minibatch_episodes")
-    TRAIN_FLAGS = ("lr", "warmup_steps", "lr_schedule", "decay_steps", "seq_len",
+    rsft_flags = ("prompt_batch", "samples", "reward_threshold", "minibatch_episodes")
+    train_flags = ("lr", "warmup_steps", "lr_schedule", "decay_steps", "seq_len",
                    "micro_tokens", "compute_dtype")  # fmt: skip
-    SEARCH_FLAGS = ("harness_iterations", "slots", "search_samples", "schedule",
+    search_flags = ("harness_iterations", "slots", "search_samples", "schedule",
                     "search_min_proposals", "search_patience", "search_max_proposals")  # fmt: skip
     config = cfg.RunConfig(
         run_dir=run_dir,
@@ -163,16 +163,16 @@ def config_from_flags(f=F) -> cfg.RunConfig:
             temperature=f.temperature, top_p=f.top_p, top_k=f.top_k,
             max_new_tokens=f.max_new_tokens, concurrency=f.concurrency, sandbox=f.sandbox,
         ),
-        rsft=built(RSFT_FLAGS, lambda: RSFTConfig(
+        rsft=built(rsft_flags, lambda: RSFTConfig(
             prompt_batch=f.prompt_batch, samples=f.samples, reward_threshold=f.reward_threshold,
             minibatch_episodes=f.minibatch_episodes, seed=f.seed)),
-        train=built(TRAIN_FLAGS, lambda: TrainConfig(
+        train=built(train_flags, lambda: TrainConfig(
             optim=OptimConfig(learning_rate=f.lr, warmup_steps=f.warmup_steps,
                               schedule=f.lr_schedule, decay_steps=f.decay_steps,
                               weight_decay=f.weight_decay, max_grad_norm=f.max_grad_norm),
             seq_len=f.seq_len, micro_tokens=f.micro_tokens, compute_dtype=f.compute_dtype,
             remat=f.remat)),
-        search=built(SEARCH_FLAGS, lambda: SearchConfig(
+        search=built(search_flags, lambda: SearchConfig(
             iterations=max(f.harness_iterations, 1), slots=f.slots, samples=f.search_samples,
             require_significant=f.require_significant,
             validation=ValidationConfig(audit_tasks=f.audit_tasks),
