@@ -119,20 +119,41 @@ def test_unrolled_groups_equal_the_scan(fixtures_dir):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 320, (2, 40)), jnp.int32)
     n = jnp.asarray([40, 23], jnp.int32)
 
-    @functools.partial(jax.jit, static_argnums=1)
-    def run(groups, per_group=False):
+    kv = tuple(kind == "full_attention" for kind in model.cfg.layer_types[: model.cfg.period])
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def run(groups, per_group=False, kv_window=None, poison=False):
         logits_a, cache = model.prefill(tokens[:, :30], jnp.minimum(n, 30), max_len=64)
         rest = jnp.maximum(n - 30, 0)
-        if per_group:  # each layer's cache arrays on their own, as the engine's decode loop has
+        if poison:  # NaN keys and values past the window: read, they would reach the logits
+            layers_ = tuple(
+                tuple(x.at[..., 48:, :].set(jnp.nan) for x in pair) if is_kv else pair
+                for is_kv, pair in zip(kv, cache.layers, strict=True)
+            )
+            cache = cache.replace(layers=layers_)
+        if per_group == "all":  # each layer's cache arrays on their own
             cache = cache.per_group()
             assert cache.capacity == 64 and isinstance(cache.layers[0][0], tuple)
-        logits_b, cache = model.extend(cache, tokens[:, 30:], rest, groups=groups)
+        elif per_group == "gdn":  # as the engine's decode loop: GDN split, KV stacks whole
+            cache = cache.per_group(tuple(not k for k in kv))
+            assert cache.capacity == 64
+        logits_b, cache = model.extend(
+            cache, tokens[:, 30:], rest, groups=groups, kv_window=kv_window
+        )
         return logits_a, logits_b, cache.stacked() if per_group else cache
 
     scanned, unrolled = run(None), run(groups)
     assert_trees_close_to_scale(unrolled, scanned, PATHS_REL)
-    separate = run(groups, True)
+    separate = run(groups, "all")
     assert_trees_close_to_scale(separate, scanned, PATHS_REL)
+    # The decode loop's form: attention reads a window bounding every row (40 <= 48) of a cache
+    # that keeps its capacity; positions past the window are never read.
+    for groups_, split in ((None, False), (groups, "gdn")):
+        windowed = run(groups_, split, 48, True)
+        assert_trees_close_to_scale(windowed[:2], scanned[:2], PATHS_REL)
+        assert windowed[2].capacity == 64
+        read_all = run(groups_, split, None, True)
+        assert not np.isfinite(np.asarray(read_all[1])).all()
     _, cache = model.prefill(tokens, n, max_len=64)
     with pytest.raises(ValueError, match="per-group cache"):
         model.extend(cache.per_group(), tokens[:, :1], jnp.ones((2,), jnp.int32))

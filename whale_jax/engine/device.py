@@ -166,37 +166,25 @@ def _resume(
     return Prefix(logits, cache)
 
 
-def _unwindow(full: DecodeCache, part: DecodeCache, kv: tuple[bool, ...]) -> DecodeCache:
-    layers = tuple(
-        tuple(
-            jax.lax.dynamic_update_slice_in_dim(f, p, 0, axis=KV_SEQ_AXIS)
-            for f, p in zip(fp, pp, strict=True)
-        )
-        if is_kv
-        else pp
-        for is_kv, fp, pp in zip(kv, full.layers, part.layers, strict=True)
-    )
-    return DecodeCache(lengths=part.lengths, layers=layers)
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=7)
 def _generate(
     graphdef, kv, steps, max_top_k, kv_len, params, groups, state: DecodeState, occupied_B,
     min_active,
 ):  # fmt: skip
-    """``kv_len`` (static, a bucket) bounds every active slot's length for this call: the loop runs
-    on that window of the KV cache, so each step reads kv_len positions instead of the capacity.
-    The loop also ends once no more than ``min_active`` slots are still active (traced: the host
-    sets it so the call returns as soon as enough slots are free for the requests waiting).
-    ``groups`` (per-group weights, or None to scan the stacked ones) is passed to ``extend``."""
+    """``kv_len`` (static, a bucket) bounds every active slot's length for this call: attention
+    reads only that many positions of each KV cache, while the loop carries the whole cache and
+    writes each new key in place. (Slicing the window out and writing it back per call cost
+    SmolLM2 at 64 slots 0.73 s against 0.21 s for a one-step call.) The loop also ends once no
+    more than ``min_active`` slots are still active (traced: the host sets it so the call returns
+    as soon as enough slots are free for the requests waiting). ``groups`` (per-group weights, or
+    None to scan the stacked ones) is passed to ``extend``; with them the Gated DeltaNet states
+    ride in the loop carry one array per layer (updated in place), the KV stacks stay whole."""
     model = nnx.merge(graphdef, params)
     B = occupied_B.shape[0]
     out0 = jnp.full((B, steps), -1, jnp.int32)
-    full_cache = state.cache
-    windowed = kv_len < full_cache.capacity
-    cache = _window(full_cache, kv, kv_len) if windowed else full_cache
-    if groups is not None:  # unrolled: each layer's arrays ride in the loop carry on their own
-        cache = cache.per_group()
+    cache = state.cache
+    if groups is not None:
+        cache = cache.per_group(tuple(not is_kv for is_kv in kv))
     state = state.replace(active=state.active & occupied_B, cache=cache)
 
     def cond(carry):
@@ -212,7 +200,12 @@ def _generate(
         hit_stop = jnp.any(tok_B[:, None] == st.stop_ids, axis=1)
         still_B = act_B & ~hit_stop & (count < st.max_new)
         logits, cache = model.extend(
-            st.cache, tok_B[:, None], still_B.astype(jnp.int32), last_only=True, groups=groups
+            st.cache,
+            tok_B[:, None],
+            still_B.astype(jnp.int32),
+            last_only=True,
+            groups=groups,
+            kv_window=kv_len,
         )
         st = st.replace(cache=cache, logits=logits, count=count, active=still_B)
         return i + 1, st, out
@@ -220,8 +213,6 @@ def _generate(
     _, state, out = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out0))
     if groups is not None:
         state = state.replace(cache=state.cache.stacked())
-    if windowed:
-        state = state.replace(cache=_unwindow(full_cache, state.cache, kv))
     return state, out
 
 

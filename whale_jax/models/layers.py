@@ -136,6 +136,7 @@ class Attention(nnx.Module):
         layer=None,
         fresh=False,
         segments_BT=None,
+        kv_window=None,
     ):
         """cache: None (self-attention over the T tokens) or (k_BNSK, v_BNSK) for this layer, in
         which case the new keys are written at ``lengths_B + t`` and the updated pair is returned.
@@ -143,7 +144,10 @@ class Attention(nnx.Module):
         are scattered straight into layer g and only that layer is read, so the stack is updated
         in place without slicing a layer out and writing it back. ``fresh``: the cache holds
         nothing yet (a prefill), so the tokens attend to each other only and the cache is just
-        written. ``segments_BT`` (no cache only): tokens attend within their own segment."""
+        written. ``segments_BT`` (no cache only): tokens attend within their own segment.
+        ``kv_window`` (static): attention reads only the cache's first ``kv_window`` positions (the
+        caller promises every row's length after these tokens fits in it); writes go to the whole
+        cache, so a decode loop carries the full cache and copies no window in or out."""
         cfg = self.cfg
         K = cfg.head_dim
         q_BTHX = linear(x_BTD, self.q_proj[...])
@@ -180,8 +184,11 @@ class Attention(nnx.Module):
                 keys_BNSK, values_BNSK = k_cache, v_cache
             else:
                 keys_BNSK, values_BNSK = k_cache[layer], v_cache[layer]
+            if kv_window is not None and kv_window < S:
+                keys_BNSK = keys_BNSK[:, :, :kv_window]
+                values_BNSK = values_BNSK[:, :, :kv_window]
             new_len_B = lengths_B + valid_BT.sum(-1)
-            slots_S = jnp.arange(S)
+            slots_S = jnp.arange(keys_BNSK.shape[2])
             allowed_BTS = (slots_S[None, None, :] <= positions_BT[:, :, None]) & (
                 slots_S[None, None, :] < new_len_B[:, None, None]
             )

@@ -61,19 +61,27 @@ class DecodeCache:
                 return first.shape[KV_SEQ_AXIS]
         return 1 << 30  # no full-attention layer: the recurrent state has no length limit
 
-    def per_group(self) -> DecodeCache:
-        """The same cache with every stacked array split into a tuple of G per-layer arrays, for
-        the unrolled path (``extend(..., groups=...)``): a layer then reads and updates its own
-        arrays in place instead of slicing them out of the stack on every step."""
+    def per_group(self, split: tuple[bool, ...] | None = None) -> DecodeCache:
+        """The same cache with stacked arrays split into tuples of G per-layer arrays, for the
+        unrolled path (``extend(..., groups=...)``): a layer then reads and updates its own
+        arrays in place instead of slicing them out of the stack on every step. ``split`` (per
+        block of the period; None: all) picks which blocks are split; the others stay stacked
+        (full-attention KV is written in place at its layer of the stack either way)."""
+        split = (True,) * len(self.layers) if split is None else split
         layers = tuple(
-            tuple(tuple(x[g] for g in range(x.shape[0])) for x in kind_cache)
-            for kind_cache in self.layers
+            tuple(tuple(x[g] for g in range(x.shape[0])) for x in kind_cache) if cut else kind_cache
+            for cut, kind_cache in zip(split, self.layers, strict=True)
         )
         return DecodeCache(lengths=self.lengths, layers=layers)
 
     def stacked(self) -> DecodeCache:
         """Inverse of ``per_group``."""
-        layers = tuple(tuple(jnp.stack(xs) for xs in kind_cache) for kind_cache in self.layers)
+        layers = tuple(
+            tuple(jnp.stack(xs) for xs in kind_cache)
+            if isinstance(kind_cache[0], tuple)
+            else kind_cache
+            for kind_cache in self.layers
+        )
         return DecodeCache(lengths=self.lengths, layers=layers)
 
 
@@ -101,12 +109,14 @@ class Block(nnx.Module):
         layer=None,
         fresh=False,
         segments_BT=None,
+        kv_window=None,
     ):
         h_BTD = self.input_norm(x_BTD)
         if self.kind == FULL:
             h_BTD, cache = self.attn(
-                h_BTD, positions_BT, valid_BT, cache, lengths_B, layer, fresh, segments_BT
-            )
+                h_BTD, positions_BT, valid_BT, cache, lengths_B, layer, fresh, segments_BT,
+                kv_window,
+            )  # fmt: skip
         else:
             h_BTD, cache = self.gdn(h_BTD, valid_BT, cache, segments_BT)
         x_BTD = x_BTD + h_BTD
@@ -149,6 +159,7 @@ class Transformer(nnx.Module):
         segments_BT=None,
         remat: bool = False,
         act_sharding=None,
+        kv_window=None,
     ):
         graphdef, state = nnx.split(self.blocks)
         lengths_B = None if cache is None else cache.lengths
@@ -173,16 +184,18 @@ class Transformer(nnx.Module):
                 if isinstance(caches[i][0], tuple):  # per-group arrays (unrolled, g static)
                     layer_cache = tuple(c[g] for c in caches[i])
                     x_BTD, layer_cache = block(
-                        x_BTD, positions_BT, valid_BT, layer_cache, lengths_B, None, fresh
-                    )
+                        x_BTD, positions_BT, valid_BT, layer_cache, lengths_B, None, fresh,
+                        kv_window=kv_window,
+                    )  # fmt: skip
                     pairs = zip(caches[i], layer_cache, strict=True)
                     new_caches.append(tuple(c[:g] + (n,) + c[g + 1 :] for c, n in pairs))
                     continue
                 if block.kind == FULL:
                     # KV stacks are written in place at layer g (no slice-out / write-back).
                     x_BTD, stacked = block(
-                        x_BTD, positions_BT, valid_BT, caches[i], lengths_B, g, fresh
-                    )
+                        x_BTD, positions_BT, valid_BT, caches[i], lengths_B, g, fresh,
+                        kv_window=kv_window,
+                    )  # fmt: skip
                     new_caches.append(stacked)
                     continue
                 layer_cache = jax.tree.map(lambda c: c[g], caches[i])
@@ -294,18 +307,23 @@ class Transformer(nnx.Module):
         last_only: bool = False,
         groups: tuple | None = None,
         fresh: bool = False,
+        kv_window: int | None = None,
     ) -> tuple[Array, DecodeCache]:
         """Appends ``n_new_B[b]`` tokens (a right-padded prefix of row b of ``tokens_BT``) to every
         row. Returns logits [B, T, vocab] (or [B, vocab] at each row's last new token when
         ``last_only``) and the cache with lengths advanced. ``groups`` (from ``split_groups``)
         runs the layers unrolled over per-group weights instead of scanning the stacked ones.
         ``fresh`` promises the cache is empty (``prefill``): attention then reads only the new
-        tokens, blocked and causal, instead of the whole capacity."""
+        tokens, blocked and causal, instead of the whole capacity. ``kv_window`` (static) bounds
+        every row's length after the new tokens: attention reads only that many positions of the
+        cache (which keeps its capacity; new keys are written in place)."""
         T = tokens_BT.shape[1]
         valid_BT = jnp.arange(T)[None, :] < n_new_B[:, None]
         positions_BT = cache.lengths[:, None] + jnp.arange(T)[None, :]
         x_BTD = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.dtype)
-        h_BTD, layers = self._layers(x_BTD, positions_BT, valid_BT, cache, groups, fresh)
+        h_BTD, layers = self._layers(
+            x_BTD, positions_BT, valid_BT, cache, groups, fresh, kv_window=kv_window
+        )
         if last_only:
             last_B = jnp.maximum(n_new_B - 1, 0)
             h_BTD = jnp.take_along_axis(h_BTD, last_B[:, None, None], axis=1)
