@@ -1,6 +1,6 @@
 """Moving decode-state rows between the slots and the store (``device._copy_rows`` and
 ``_gather_rows``): exact copies of the named rows and positions, nothing else touched, padding
-entries (past the end) a no-op wherever they sit in the index arrays after the first."""
+entries (past the end, after the real ones) a no-op."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -75,11 +75,12 @@ def test_gather_rows_takes_rows_and_a_window():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(s)[:, rows])
 
 
-def test_a_leading_padding_entry_is_refused(tiny_llama):
+def test_padding_before_a_real_entry_is_refused(tiny_llama):
     engine = device.DeviceEngine(tiny_llama.model, slots=2, max_len=32, cache_rows=2)
-    with pytest.raises(ValueError, match="park: the first entry must be a real one"):
+    with pytest.raises(ValueError, match="park: padding entries .* must come after"):
         engine.park([0, 1], [2, 0], 16)  # store rows 0..1: 2 is padding
-    init = device.SlotInit(rows=[0], slots=[2], max_new=[1], stop_ids=[[-1] * 8],
-                           temperature=[0.0], top_k=[0], top_p=[1.0], key=[[0, 0]])  # fmt: skip
-    with pytest.raises(ValueError, match="insert: the first entry"):
+    init = device.SlotInit(rows=[0, 0], slots=[2, 1], max_new=[1, 1], stop_ids=[[-1] * 8] * 2,
+                           temperature=[0.0] * 2, top_k=[0] * 2, top_p=[1.0] * 2,
+                           key=[[0, 0]] * 2)  # fmt: skip
+    with pytest.raises(ValueError, match="insert: padding entries"):
         engine.insert(None, init, 16)

@@ -90,10 +90,11 @@ def _row(x: Array, row, length: int | None = None) -> Array:
     return jax.lax.dynamic_slice(x, (0, row) + (0,) * (x.ndim - 2), sizes)
 
 
-# Rows move between the decode state and the store one dynamic slice per row (M is static): XLA
-# CPU's gather and scatter of [G, M, N, W, K] blocks run element by element, and jnp indexing
-# applies a static position slice to every row before gathering. Parking 8 SmolLM2 rows of 128
-# positions: 78 ms with indexing, 3-6 ms this way.
+# Rows move between the decode state and the store one dynamic slice per row, in a loop over the
+# real entries: XLA CPU's gather and scatter of [G, M, N, W, K] blocks run element by element, and
+# jnp indexing applies a static position slice to every row before gathering. Parking 8 SmolLM2
+# rows of 128 positions: 78 ms with indexing, 8 ms this way. The loop (not unrolled) keeps the
+# program small whatever M, and padding entries cost nothing.
 
 
 def _copy_rows(
@@ -101,27 +102,28 @@ def _copy_rows(
     window: int | None = None,
 ) -> DecodeCache:  # fmt: skip
     """dst rows ``dst_rows`` <- src rows ``src_rows``: of each KV array only the first ``window``
-    positions (None: all src has; a shorter src capacity fills the front of dst). An entry whose
-    dst row is past the end of dst is padding and changes nothing; padding comes after at
-    least one real entry (the first), whose copy it repeats."""
-    limit = dst.lengths.shape[0]
-    real = dst_rows < limit
-    src_rows = jnp.where(real, src_rows, src_rows[0])
-    dst_rows = jnp.where(real, dst_rows, dst_rows[0])
-    layers = []
-    for is_kv, dst_pair, src_pair in zip(kv, dst.layers, src.layers, strict=True):
-        pair = []
-        for d, s in zip(dst_pair, src_pair, strict=True):
-            n = None
-            if is_kv:
-                n = min(s.shape[KV_SEQ_AXIS], d.shape[KV_SEQ_AXIS], window or s.shape[KV_SEQ_AXIS])
-            for m in range(src_rows.shape[0]):
-                piece = _row(s, src_rows[m], n).astype(d.dtype)
-                d = jax.lax.dynamic_update_slice(d, piece, (0, dst_rows[m]) + (0,) * (d.ndim - 2))
-            pair.append(d)
-        layers.append(tuple(pair))
-    lengths = dst.lengths.at[dst_rows].set(src.lengths[src_rows])
-    return DecodeCache(lengths=lengths, layers=tuple(layers))
+    positions (None: all src has; a shorter src capacity fills the front of dst). Entries whose
+    dst row is past the end of dst are padding; they come after every real entry."""
+    count = jnp.sum(dst_rows < dst.lengths.shape[0])
+    sizes = []
+    for is_kv, src_pair, dst_pair in zip(kv, src.layers, dst.layers, strict=True):
+        for s, d in zip(src_pair, dst_pair, strict=True):
+            cap = s.shape[KV_SEQ_AXIS]
+            sizes.append(min(cap, d.shape[KV_SEQ_AXIS], window or cap) if is_kv else None)
+    sources = jax.tree.leaves(src.layers)
+
+    def one(m, arrays):
+        return tuple(
+            jax.lax.dynamic_update_slice(
+                d, _row(s, src_rows[m], n).astype(d.dtype), (0, dst_rows[m]) + (0,) * (d.ndim - 2)
+            )
+            for d, s, n in zip(arrays, sources, sizes, strict=True)
+        )
+
+    moved = jax.lax.fori_loop(0, count, one, tuple(jax.tree.leaves(dst.layers)))
+    layers = jax.tree.unflatten(jax.tree.structure(dst.layers), moved)
+    lengths = dst.lengths.at[dst_rows].set(src.lengths[src_rows], mode="drop")
+    return DecodeCache(lengths=lengths, layers=layers)
 
 
 def _gather_rows(src: DecodeCache, kv: tuple[bool, ...], rows, window: int) -> DecodeCache:
@@ -264,10 +266,12 @@ def _insert_stored(kv, window, state: DecodeState, store: Prefix, init: dict) ->
     return _insert_rows(kv, state, store, init, window)
 
 
-def _first_real(name: str, dst, limit: int) -> None:
-    dst = np.asarray(dst)
-    if dst.size == 0 or not 0 <= int(dst[0]) < limit:
-        raise ValueError(f"{name}: the first entry must be a real one (padding goes after it)")
+def _check_padding(name: str, dst, limit: int) -> None:
+    """Row moves take the real entries (destination inside [0, limit)) first, padding (past the
+    end) after them."""
+    real = np.asarray(dst) < limit
+    if real.size and not real[: int(real.sum())].all():
+        raise ValueError(f"{name}: padding entries (past the end) must come after the real ones")
 
 
 class DeviceEngine:
@@ -395,7 +399,7 @@ class DeviceEngine:
     def store_put(self, prefix: Prefix, src_rows, dst_rows) -> None:
         """Keeps prefix rows (state and last-token logits) in store rows; indices past the end of
         the store are dropped (padding)."""
-        _first_real("store_put", dst_rows, self.store.logits.shape[0])
+        _check_padding("store_put", dst_rows, self.store.logits.shape[0])
         self._note("store_put", prefix.logits.shape[0], prefix.cache.capacity, len(src_rows))
         self.store = _store_put(
             self.kv, self.store, prefix, jnp.asarray(src_rows, jnp.int32),
@@ -405,7 +409,7 @@ class DeviceEngine:
     def insert(self, prefix: Prefix | None, init: SlotInit, window: int | None = None) -> None:
         """Fills slots from prefix rows, or (``prefix`` None) from store rows, copying their
         first ``window`` positions (a bucket bounding the rows' lengths)."""
-        _first_real("insert", init.slots, self.slots)
+        _check_padding("insert", init.slots, self.slots)
         arrays = {
             "rows": jnp.asarray(init.rows, jnp.int32),
             "slots": jnp.asarray(init.slots, jnp.int32),
@@ -448,7 +452,7 @@ class DeviceEngine:
     def park(self, slots_M, rows_M, window: int | None = None) -> None:
         """Keeps finished slots' decode state (the first ``window`` positions) in store rows."""
         window = self.max_len if window is None else min(window, self.max_len)
-        _first_real("park", rows_M, self.store.logits.shape[0])
+        _check_padding("park", rows_M, self.store.logits.shape[0])
         self._note("park", len(slots_M), window)
         self.store = _park(
             self.kv, window, self.store, self.state.cache,
