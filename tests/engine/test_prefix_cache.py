@@ -24,16 +24,38 @@ def test_lookup_finds_the_longest_usable_prefix():
     a = index.add((1, 2), index.alloc(), logits=True)
     b = index.add((1, 2, 3, 4), index.alloc(), logits=False)
     index.add((9, 9, 9), index.alloc(), logits=True)
-    assert index.lookup((1, 2, 3, 4, 5)) is b
-    assert index.lookup((1, 2, 3)) is a
+    assert index.lookup((1, 2, 3, 4, 5)) == (b, 4)
+    assert index.lookup((1, 2, 3)) == (a, 2)
     # The whole prompt is usable only with its logits: without, the next shorter entry serves.
-    assert index.lookup((1, 2, 3, 4)) is a
-    assert index.lookup((1, 2)) is a
-    assert index.lookup((2, 1)) is None
+    assert index.lookup((1, 2, 3, 4)) == (a, 2)
+    assert index.lookup((1, 2)) == (a, 2)
+    assert index.lookup((2, 1)) == (None, 0)
+    assert index.lookup((1, 2, 3, 7, 7)) == (a, 2)  # not a prefix of b's key: a serves
     assert index.shared_depth((1, 2, 3, 7, 7)) == 2
     assert index.shared_depth((1, 2, 3, 4, 7)) == 4
     assert index.shared_depth((9, 9, 5)) == 2
     assert index.shared_depth((5,)) == 0
+
+
+def test_partial_lookup_serves_any_prefix_of_a_key_but_the_last_prompt_token():
+    keys = [(1, 2, 3, 4, 5, 6), (1, 2)]
+    exact, partial = PrefixIndex(4, block=2), PrefixIndex(4, block=2, partial=True)
+    for index in (exact, partial):
+        for key in keys:
+            index.add(key, index.alloc(), logits=key == keys[0])
+    long, short = (partial.get(k) for k in keys)
+    assert partial.lookup((1, 2, 3, 4, 9)) == (long, 4)
+    assert partial.lookup((1, 2, 3, 9)) == (long, 3)  # beyond the shared blocks, token by token
+    assert partial.lookup((1, 2, 3, 4, 5)) == (long, 4)  # the last token's logits are needed
+    assert partial.lookup((1, 2, 3, 4, 5, 6)) == (long, 6)  # the whole prompt, with its logits
+    assert partial.lookup((1, 9, 3)) == (None, 0)  # nothing shares a whole block
+    assert exact.lookup((1, 2, 3, 4, 9)) == (exact.get(keys[1]), 2)  # keys that start it only
+    # An exact key deeper than the shared whole blocks, and a longer key deeper still.
+    index = PrefixIndex(4, block=4, partial=True)
+    snap = index.add((1, 2, 3, 4, 5), index.alloc(), logits=False)
+    other = index.add((1, 2, 3, 4, 5, 6, 7, 8), index.alloc(), logits=True)
+    assert index.lookup((1, 2, 3, 4, 5, 9, 9, 9)) == (snap, 5)
+    assert index.lookup((1, 2, 3, 4, 5, 6, 9, 9)) == (other, 6)
 
 
 def test_eviction_takes_cold_entries_first_and_never_pinned_ones():
@@ -67,6 +89,16 @@ def test_forget_drops_a_session_and_a_new_park_replaces_the_old():
     index.forget("s")
     assert len(index) == 0 and index.rows_in_use() == 0
     index.forget("never-parked")
+
+
+def test_a_prompt_that_does_not_continue_a_park_drops_it():
+    index = PrefixIndex(4, block=4)
+    index.add((1, 2), index.alloc(), logits=False, owner="s")
+    index.supersede("s", (1, 2, 3))  # continues the parked state: kept
+    index.supersede("other", (7,))
+    assert (1, 2) in index
+    index.supersede("s", (1, 5, 2))  # another vote, a rewritten conversation: dropped
+    assert len(index) == 0 and index.rows_in_use() == 0
 
 
 def test_branch_points_are_where_sharing_groups_shrink():
@@ -120,11 +152,41 @@ def test_a_hit_samples_what_a_miss_does(setup, where):
         else:  # the whole first prompt, kept with its logits: no prefill at all
             prompts, reused = [head + tail_a, head + tail_a], len(head + tail_a)
         hits, misses = _pairs(engine, prompts, sampling)
-        assert [h.reused_tokens for h in hits] == [reused] * 2, where
+        if engine.device.partial_resume:  # may also read a prefix of an earlier case's prompt
+            assert all(h.reused_tokens >= reused for h in hits), where
+        else:
+            assert [h.reused_tokens for h in hits] == [reused] * 2, where
         assert all(m.reused_tokens == 0 for m in misses)
         assert [h.token_ids for h in hits] == [m.token_ids for m in misses]
         if sampling.temperature == 0:
             assert_greedy(model, prompts * 2, [o.token_ids for o in hits + misses])
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_5"])
+def test_a_partial_hit_samples_what_a_miss_does(request, fixture):
+    """On attention-only models a kept prompt serves any prefix of itself; a recurrent state
+    holds its whole length, so the hybrid model continues only from exact keys."""
+    model, cfg, _ = request.getfixturevalue(fixture)
+    engine = Engine(model, EngineConfig(slots=4, max_len=64, steps=4, cache_rows=8,
+                                        min_kv_bucket=32), eos_ids=())  # fmt: skip
+    common, tail_a, tail_b = prompts_for(cfg.vocab_size, lengths=(20, 7, 5), seed=47)
+    first = common + tail_a
+    engine.generate([Request(prompt_ids=first, sampling=greedy(1))])
+    partial = engine.device.partial_resume
+    assert partial == (fixture == "tiny_llama")
+    # Shares the kept prompt's first 23 tokens; a strict prefix of it (its last token's logits
+    # were never kept); a prompt that goes on past the whole kept one.
+    prompts = [first[:23] + tail_b, first[:-1], first + tail_b]
+    depths = [23, len(first) - 2, len(first)] if partial else [0, 0, len(first)]
+    for sampling in (greedy(6), SAMPLED):
+        hits, misses = _pairs(engine, prompts, sampling)
+        assert [h.reused_tokens for h in hits] == depths
+        assert [h.token_ids for h in hits] == [m.token_ids for m in misses]
+        if sampling.temperature == 0:
+            assert_greedy(model, prompts * 2, [o.token_ids for o in hits + misses])
+        engine.set_params(nnx.split(model)[1])  # drops the kept states: the same depths again
+        engine.generate([Request(prompt_ids=first, sampling=greedy(1))])
+    engine.close()
 
 
 def test_prompts_admitted_together_prefill_their_shared_prefix_once(setup):
@@ -141,9 +203,10 @@ def test_prompts_admitted_together_prefill_their_shared_prefix_once(setup):
         [Request(prompt_ids=p, sampling=greedy(3), cache=False) for p in prompts]
     )
     assert [h.token_ids for h in hits] == [m.token_ids for m in misses]
-    # A later prompt along the same prefix continues from the kept branch point.
+    # A later prompt along the same prefix continues from the kept branch point (attention
+    # only: from the kept whole prompt it runs along, up to its own last token).
     later = engine.generate([Request(prompt_ids=common + tails[0][:2], sampling=greedy(3))])[0]
-    assert later.reused_tokens == 40
+    assert later.reused_tokens == (41 if engine.device.partial_resume else 40)
 
 
 def test_n_samples_arriving_apart_share_one_prefill(setup):
@@ -200,6 +263,23 @@ def test_new_weights_drop_every_kept_state(setup):
         fresh.close()
     finally:
         engine.set_params(params)
+
+
+def test_a_session_drops_its_park_when_its_next_prompt_does_not_continue_it(tiny_llama):
+    model, cfg, _ = tiny_llama
+    engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, cache_rows=8), eos_ids=())
+    prompt, delta = prompts_for(cfg.vocab_size, lengths=(12, 3), seed=46)
+    first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(4), park="s")])[0]
+    follow = prompt + first.token_ids + delta
+    turn = engine.generate([Request(prompt_ids=follow, sampling=greedy(4), park="s")])[0]
+    assert turn.reused_tokens == len(prompt) + len(first.token_ids) - 1  # resumed the park
+    entries = engine.cache_stats()["entries"]
+    # The same messages again (a vote): a whole-prompt hit that parks nothing new (its final
+    # state is the kept prompt), and the parked second turn can no longer be continued.
+    vote = engine.generate([Request(prompt_ids=follow, sampling=greedy(1), park="s")])[0]
+    assert vote.reused_tokens == len(follow)
+    assert engine.cache_stats()["entries"] == entries - 1
+    engine.close()
 
 
 def test_prefix_cache_off_keeps_sessions_only(tiny_llama):

@@ -7,8 +7,9 @@ ids, token budget and sampling settings. Every function that changes it donates 
 
 - ``prefill(tokens_PT, lengths_P)``: P fresh prompts (right-padded to a length bucket) into a small
   cache of capacity T; returns their last-token logits and that cache (a ``Prefix``).
-- ``resume(rows_P, tokens_PT, n_new_P)``: continues P store rows (a parked session, a cached
-  prompt prefix) by their new tokens without re-reading the earlier ones.
+- ``resume(rows_P, start_P, tokens_PT, n_new_P)``: continues P store rows (a parked session, a
+  cached prompt prefix) by their new tokens without re-reading the earlier ones; on models with
+  attention layers only, a row may be continued from any prefix of its tokens.
 - ``insert(state, prefix, rows_M, slots_M, ...)``: copies prefix row ``rows_M[m]`` into slot
   ``slots_M[m]``; one prefix row may fill several slots (n samples of one prompt, one prefill).
 - ``generate(state, occupied_B)``: up to ``steps`` tokens for every active slot inside one
@@ -182,13 +183,17 @@ _insert = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)(_insert
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _resume(
-    graphdef, kv, kv_len, params, groups, store: DecodeCache, rows_P, tokens_PT, n_new_P
+    graphdef, kv, kv_len, params, groups, store: DecodeCache, rows_P, start_P, tokens_PT, n_new_P
 ) -> Prefix:
-    """Continues store rows by new tokens; attention reads only the first ``kv_len`` (static, a
-    bucket that bounds every row after the new tokens) positions, and the prefix has that
-    capacity. Only that window of the rows is gathered out of the store."""
+    """Continues store rows, each from its first ``start_P`` positions, by new tokens; attention
+    reads only the first ``kv_len`` (static, a bucket that bounds every row after the new tokens)
+    positions, and the prefix has that capacity. Only that window of the rows is gathered out of
+    the store. A start below a row's length reads a prefix of its keys (the new tokens overwrite
+    the rest, and attention masks anything past each query): only where every layer is
+    attention; a recurrent state holds its row's whole length."""
     model = nnx.merge(graphdef, params)
     cache = _gather_rows(store, kv, rows_P, min(kv_len, store.capacity))
+    cache = DecodeCache(lengths=start_P, layers=cache.layers)
     logits, cache = model.extend(cache, tokens_PT, n_new_P, last_only=True, groups=groups)
     return Prefix(logits, cache)
 
@@ -386,15 +391,21 @@ class DeviceEngine:
         self._note("prefill", tokens_PT.shape)
         return _prefill(self.graphdef, self.params, self.groups, tokens_PT, lengths_P)
 
-    def resume(self, rows_P, tokens_PT, n_new_P, kv_len: int | None = None) -> Prefix:
-        """Continues store rows by their new tokens; ``kv_len`` bounds every row's length after
-        them (None: the whole capacity)."""
+    def resume(self, rows_P, start_P, tokens_PT, n_new_P, kv_len: int | None = None) -> Prefix:
+        """Continues store rows, from their first ``start_P`` positions (a row's whole length,
+        or less where every layer is attention: ``partial_resume``), by their new tokens;
+        ``kv_len`` bounds every row's length after them (None: the whole capacity)."""
         kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
         self._note("resume", tokens_PT.shape, kv_len)
         return _resume(
             self.graphdef, self.kv, kv_len, self.params, self.groups, self.store.cache,
-            rows_P, tokens_PT, n_new_P,
+            rows_P, jnp.asarray(start_P, jnp.int32), tokens_PT, n_new_P,
         )  # fmt: skip
+
+    @property
+    def partial_resume(self) -> bool:
+        """Every layer is attention: a kept row serves any prefix of its tokens."""
+        return all(self.kv)
 
     def store_put(self, prefix: Prefix, src_rows, dst_rows) -> None:
         """Keeps prefix rows (state and last-token logits) in store rows; indices past the end of

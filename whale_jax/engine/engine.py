@@ -6,10 +6,11 @@ park finished session states, admit queued requests into the free slots, then ``
 ``steps`` tokens for all slots. A finished slot is refilled on the next iteration.
 
 Admission goes through the prefix cache (``prefix_cache.PrefixIndex`` over the device store): each
-request continues from the longest kept state its prompt starts with and prefills only the rest,
-in rounds that stop at snapshot points (the caller's message boundaries; the branch points of the
-prompts admitted together; the depth a prompt shares with a kept one) so the state there is kept
-for later requests. A segment that several requests share is computed once; a whole prompt is
+request continues from the longest kept state its prompt starts with (on attention-only models,
+from any prefix of a kept state its prompt runs along) and prefills only the rest, in rounds that
+stop at snapshot points (the caller's message boundaries; the branch points of the prompts
+admitted together; the depth a prompt shares with a kept one) so the state there is kept for
+later requests. A segment that several requests share is computed once; a whole prompt is
 kept with its logits, so a later identical prompt (another sample, another vote) samples at once.
 
 Shapes are static: prompt lengths are padded to power-of-two buckets (at least ``min_bucket``, at
@@ -84,38 +85,29 @@ class _Job:
     reused: int = 0
 
 
-def _kept(entry: Entry | None) -> int:
-    """Prompt tokens already computed when continuing from ``entry`` (None: from scratch)."""
-    return 0 if entry is None else len(entry.key)
-
-
 @dataclasses.dataclass
 class _Plan:
-    """A request's way through admission: the kept state it continues from (pinned) and the
+    """A request's way through admission: the kept state it continues from (pinned), how many of
+    its prompt tokens that state serves (its whole key, or a prefix of it: ``partial``) and the
     token counts where its prefill stops next; the last is the whole prompt."""
 
     job: _Job
     start: Entry | None
     points: list[int]
-
-    @property
-    def have(self) -> int:
-        return _kept(self.start)
+    have: int = 0
 
 
 @dataclasses.dataclass
 class _Segment:
-    """Tokens ``have:len(key)`` of one or more requests' prompts, computed once."""
+    """Tokens ``have:len(key)`` of one or more requests' prompts, computed once from the first
+    ``have`` positions of ``start`` (None: from scratch)."""
 
     key: Tokens
     start: Entry | None
+    have: int
     plans: list[_Plan]
     row: int | None = None  # store row to keep the state in
     entry: Entry | None = None
-
-    @property
-    def have(self) -> int:
-        return _kept(self.start)
 
     @property
     def continuing(self) -> bool:
@@ -167,8 +159,11 @@ class Engine:
             max_stop_ids=c.max_stop_ids,
             unroll=c.unroll_layers,
         )
-        self._index = PrefixIndex(cache_rows, block=c.share_block)
+        self._index = PrefixIndex(
+            cache_rows, block=c.share_block, partial=c.prefix_cache and self.device.partial_resume
+        )
         self._forgotten: list[str] = []
+        self._superseding: list[tuple[str, Tokens]] = []  # (session, its newest prompt)
         self._cv = threading.Condition()
         self._queue: collections.deque[_Job] = collections.deque()
         self._running: list[_Job | None] = [None] * c.slots
@@ -219,6 +214,7 @@ class Engine:
             if self._closed:
                 raise RuntimeError("engine is closed")
             self._queue.extend(jobs)
+            self._superseding.extend((j.request.park, j.prompt) for j in jobs if j.request.park)
             self._ensure_thread()
             self._cv.notify_all()
         return futures
@@ -349,6 +345,12 @@ class Engine:
                 for name in self._forgotten:
                     self._index.forget(name)
                 self._forgotten.clear()
+                # A session's next prompt that does not continue its parked state (another vote
+                # of the same messages, a rewritten conversation) makes that state useless:
+                # drop it now rather than let it push out states that will be read.
+                for name, prompt in self._superseding:
+                    self._index.supersede(name, prompt)
+                self._superseding.clear()
                 free = [i for i, j in enumerate(self._running) if j is None]
                 if self._pending_params is not None:
                     free = []  # the barrier: drain the running requests on the old weights first
@@ -406,7 +408,8 @@ class Engine:
         if fresh:
             self.device.state = self.device.empty_state()
             evictions = self._index.evictions
-            self._index = PrefixIndex(self._index.rows, block=self._index.block)
+            old = self._index
+            self._index = PrefixIndex(old.rows, block=old.block, partial=old.partial)
             self._index.evictions = evictions
             self.device.store = self.device.empty_store()
         for job in failed:
@@ -433,11 +436,11 @@ class Engine:
         c, index = self.config, self._index
         plans: list[_Plan] = []
         for job in jobs:
-            start = index.lookup(job.prompt) if job.request.cache else None
+            start, have = index.lookup(job.prompt) if job.request.cache else (None, 0)
             if start is not None:
                 index.pin(start)
-                job.reused = len(start.key)
-            plans.append(_Plan(job, start, []))
+                job.reused = have
+            plans.append(_Plan(job, start, [], have))
             self.stats["admitted"] += 1
             self.stats["prompt_tokens"] += len(job.prompt)
         shared = (
@@ -475,10 +478,10 @@ class Engine:
                 for p in seg.plans:
                     if p.start is not None:
                         index.unpin(p.start)
-                    p.start = None
+                    p.start, p.have = None, 0
                     if len(p.job.prompt) > len(seg.key):
                         assert seg.entry is not None
-                        p.start = seg.entry
+                        p.start, p.have = seg.entry, len(seg.key)
                         index.pin(seg.entry)
                         p.points.pop(0)
                         plans.append(p)
@@ -499,7 +502,7 @@ class Engine:
             index.touch(entry)
             if p.start is not None:
                 index.unpin(p.start)
-            p.start = entry
+            p.start, p.have = entry, len(key)
             p.points.pop(0)
             p.job.reused = max(p.job.reused, len(key))
 
@@ -514,10 +517,11 @@ class Engine:
             for p in plans:
                 end = p.points[0]
                 key = p.job.prompt if end == len(p.job.prompt) else p.job.prompt[:end]
-                ident = (None if p.start is None else p.start.row, key, p.job.request.cache)
+                start = None if p.start is None else p.start.row
+                ident = (start, p.have, key, p.job.request.cache)
                 seg = segments.get(ident)
                 if seg is None:
-                    seg = segments[ident] = _Segment(key, p.start, [])
+                    seg = segments[ident] = _Segment(key, p.start, p.have, [])
                 seg.plans.append(p)
             retry = False
             for ident, seg in segments.items():
@@ -550,13 +554,15 @@ class Engine:
         tokens = np.zeros((P, T), np.int32)
         n_new = np.zeros((P,), np.int32)
         rows = np.zeros((P,), np.int32)
+        start = np.zeros((P,), np.int32)
         for i, seg in enumerate(group):
             tokens[i, : len(seg.key) - seg.have] = seg.key[seg.have :]
             n_new[i] = len(seg.key) - seg.have
             rows[i] = 0 if seg.start is None else seg.start.row
+            start[i] = seg.have
         if resumed:
             kv_len = _bucket(max(len(seg.key) for seg in group), c.min_kv_bucket, c.max_len)
-            prefix = self.device.resume(rows, tokens, n_new, kv_len)
+            prefix = self.device.resume(rows, start, tokens, n_new, kv_len)
             self.stats["resumes"] += len(group)
             self.stats["resume_tokens"] += int(n_new.sum())
         else:

@@ -7,15 +7,21 @@ client marked, a prefix that several prompts share) and a whole prompt (its last
 too, so n samples or k votes of one prompt need no prefill at all). An entry is keyed by its exact
 token ids: a request may continue from any entry whose tokens start its prompt, whoever made it.
 
+With ``partial`` (a model whose layers are all attention), an entry also serves any prefix of
+its key: a row's first d positions are the KV of its first d tokens. A recurrent state cannot be
+cut back, so on hybrid models only exact keys serve.
+
 Rows are pinned while an admission reads them (``pin``/``unpin``). Eviction is LRU in two tiers:
-a whole prompt kept on speculation (another sample or vote of it may come) is *cold* until a
-request continues from it; a parked session, a snapshot point (a message boundary, a branch
-point) and any entry that has been hit are *hot*. A row is taken from the least recently used cold entry
-first; a speculative entry may only displace cold ones, so unique prompts passing through never
-push out the sessions and shared prefixes that will be read again. ``shared_depth`` says how deep, in whole ``block``-token steps, a
-prompt shares a prefix with any entry: where a prompt runs along a cached prompt and then departs,
-the engine snapshots it at that depth so the next such prompt hits (a radix tree's branch points,
-rounded down to blocks so that near-identical points do not each cost a prefill call).
+an entry kept on speculation (a whole prompt another sample or vote of it may repeat, a parked
+session whose next turn may come) is *cold* until a request continues from it; a snapshot point
+(a message boundary, a branch point) and any entry that has been hit are *hot*. A row is taken
+from the least recently used cold entry first; a speculative entry may only displace cold ones,
+so unique prompts passing through never push out the shared prefixes that will be read again. A
+parked state is dropped once its session asks for a prompt that does not continue it
+(``supersede``). ``shared_depth`` says how deep, in whole ``block``-token steps, a prompt shares
+a prefix with any entry: where a prompt runs along a cached prompt and then departs, the engine
+snapshots it at that depth so the next such prompt hits (a radix tree's branch points, rounded
+down to blocks so that near-identical points do not each cost a prefill call).
 """
 
 from __future__ import annotations
@@ -40,19 +46,22 @@ class Entry:
 class PrefixIndex:
     """LRU index of ``rows`` store rows (0 rows: nothing is ever kept)."""
 
-    def __init__(self, rows: int, *, block: int = 16, hot_fraction: float = 0.5):
+    def __init__(
+        self, rows: int, *, block: int = 16, hot_fraction: float = 0.5, partial: bool = False
+    ):
         if rows < 0 or block < 1 or not 0.0 <= hot_fraction <= 1.0:
             raise ValueError(
                 f"need rows >= 0, block >= 1, 0 <= hot_fraction <= 1; got {rows}, {block}, "
                 f"{hot_fraction}"
             )
-        self.rows, self.block = rows, block
+        self.rows, self.block, self.partial = rows, block, partial
         self.hot_limit = int(rows * hot_fraction)
         self._hot = 0
         self._entries: collections.OrderedDict[Tokens, Entry] = collections.OrderedDict()
         self._by_len: dict[int, set[Tokens]] = collections.defaultdict(set)
         self._owners: dict[str, Tokens] = {}
-        self._blocks: collections.Counter[Tokens] = collections.Counter()
+        # Each whole-block prefix of a key -> the keys that start with it.
+        self._under: dict[Tokens, set[Tokens]] = {}
         self._free = list(range(rows - 1, -1, -1))
         self.evictions = 0
 
@@ -66,17 +75,35 @@ class PrefixIndex:
         return self._entries.get(key)
 
     # -- lookup ----------------------------------------------------------------------------------
-    def lookup(self, prompt: Tokens) -> Entry | None:
-        """The longest entry a request for ``prompt`` can continue from: its key is a proper
-        prefix of the prompt, or the whole prompt with its logits kept. Marks it recently used."""
+    def lookup(self, prompt: Tokens) -> tuple[Entry | None, int]:
+        """The entry a request for ``prompt`` continues from and how many prompt tokens it serves
+        ((None, 0): none). An entry serves its whole key when the key is a proper prefix of the
+        prompt, or the whole prompt with its logits kept; with ``partial``, also any prefix of
+        its key the prompt starts with, short of the prompt's last token (whose logits are
+        needed). The deepest wins. Marks it recently used."""
         n = len(prompt)
+        best, depth = None, 0
         for length in sorted((k for k in self._by_len if k <= n), reverse=True):
             key = prompt if length == n else prompt[:length]
             entry = self._entries.get(key)
             if entry is not None and (length < n or entry.logits):
-                self.touch(entry)
-                return entry
-        return None
+                best, depth = entry, length
+                break
+        if self.partial and depth < n - 1:
+            shared = self.shared_depth(prompt)
+            # Keys under the deepest shared block run along the prompt for less than a block
+            # more: worth a look only if that can beat ``depth``.
+            if shared and shared + self.block > depth + 1:
+                for key in self._under[prompt[:shared]]:
+                    end = min(len(key), n - 1)
+                    d = min(shared, end)
+                    while d < end and key[d] == prompt[d]:
+                        d += 1
+                    if d > depth:
+                        best, depth = self._entries[key], d
+        if best is not None:
+            self.touch(best)
+        return best, depth
 
     def touch(self, entry: Entry) -> None:
         """A request continues from ``entry``: most recently used, and hot."""
@@ -103,7 +130,7 @@ class PrefixIndex:
         b, lo, hi = self.block, 0, len(prompt) // self.block
         while lo < hi:  # block prefixes of the keys are prefix-closed: binary search the depth
             mid = (lo + hi + 1) // 2
-            if self._blocks[prompt[: mid * b]] > 0:
+            if prompt[: mid * b] in self._under:
                 lo = mid
             else:
                 hi = mid - 1
@@ -148,7 +175,7 @@ class PrefixIndex:
         self._by_len[len(key)].add(key)
         b = self.block
         for depth in range(b, len(key) + 1, b):
-            self._blocks[key[:depth]] += 1
+            self._under.setdefault(key[:depth], set()).add(key)
         if owner is not None:
             self.forget(owner)
             entry.owner = owner
@@ -173,9 +200,10 @@ class PrefixIndex:
         b = self.block
         for depth in range(b, len(key) + 1, b):
             prefix = key[:depth]
-            self._blocks[prefix] -= 1
-            if self._blocks[prefix] <= 0:
-                del self._blocks[prefix]
+            keys = self._under[prefix]
+            keys.discard(key)
+            if not keys:
+                del self._under[prefix]
         if entry.owner is not None and self._owners.get(entry.owner) == key:
             del self._owners[entry.owner]
         self._free.append(entry.row)
@@ -188,6 +216,13 @@ class PrefixIndex:
             entry.owner = None
             if entry.pins == 0:
                 self._remove(key)
+
+    def supersede(self, owner: str, prompt: Tokens) -> None:
+        """The session ``owner`` asked for ``prompt``: drops its parked entry unless the prompt
+        continues it (its key starts the prompt)."""
+        key = self._owners.get(owner)
+        if key is not None and prompt[: len(key)] != key:
+            self.forget(owner)
 
     def clear(self) -> int:
         """Drops every entry (new weights); returns how many. Nothing may be pinned."""
