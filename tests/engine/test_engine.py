@@ -31,7 +31,10 @@ def setup(request):
     model, cfg, _ = request.getfixturevalue(request.param)
     engine = Engine(
         model,
-        EngineConfig(slots=3, max_len=64, steps=4, prefill_batch=4, min_kv_bucket=32),
+        # park_min_tokens=0: every finished state with a park name is parked, however short
+        EngineConfig(
+            slots=3, max_len=64, steps=4, prefill_batch=4, min_kv_bucket=32, park_min_tokens=0
+        ),
         eos_ids=(),
         detokenize=letters,
     )

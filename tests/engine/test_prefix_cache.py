@@ -267,7 +267,8 @@ def test_new_weights_drop_every_kept_state(setup):
 
 def test_a_session_drops_its_park_when_its_next_prompt_does_not_continue_it(tiny_llama):
     model, cfg, _ = tiny_llama
-    engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, cache_rows=8), eos_ids=())
+    config = EngineConfig(slots=2, max_len=64, steps=4, cache_rows=8, park_min_tokens=0)
+    engine = Engine(model, config, eos_ids=())
     prompt, delta = prompts_for(cfg.vocab_size, lengths=(12, 3), seed=46)
     first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(4), park="s")])[0]
     follow = prompt + first.token_ids + delta
@@ -282,10 +283,35 @@ def test_a_session_drops_its_park_when_its_next_prompt_does_not_continue_it(tiny
     engine.close()
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_5"])
+def test_a_short_reply_after_a_kept_prompt_is_not_parked(request, fixture):
+    """A finished state is parked only if it holds park_min_tokens tokens beyond the deepest kept
+    state serving it; a session whose short reply was not parked resumes from its kept prompt
+    (recomputing the reply) and samples the same tokens."""
+    model, cfg, _ = request.getfixturevalue(fixture)
+    engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, cache_rows=8,
+                                        park_min_tokens=6), eos_ids=())  # fmt: skip
+    prompt, delta = prompts_for(cfg.vocab_size, lengths=(12, 3), seed=48)
+    short = engine.generate([Request(prompt_ids=prompt, sampling=greedy(5), park="a")])[0]
+    assert engine.stats["parks_skipped"] == 1  # 4 tokens past the kept prompt
+    follow = prompt + short.token_ids + delta
+    turn = engine.generate([Request(prompt_ids=follow, sampling=greedy(4), park="a")])[0]
+    assert turn.reused_tokens == len(prompt)  # the kept prompt, not a parked state
+    fresh = engine.generate([Request(prompt_ids=follow, sampling=greedy(4), cache=False)])[0]
+    assert turn.token_ids == fresh.token_ids
+    long = engine.generate([Request(prompt_ids=prompt[:11], sampling=greedy(8), park="b")])[0]
+    again = prompt[:11] + long.token_ids + delta  # 7 tokens past the kept prompt: parked
+    resumed = engine.generate([Request(prompt_ids=again, sampling=greedy(4))])[0]
+    assert resumed.reused_tokens == 11 + len(long.token_ids) - 1
+    assert_greedy(model, [follow, follow, again], [turn.token_ids, fresh.token_ids,
+                                                   resumed.token_ids])  # fmt: skip
+    engine.close()
+
+
 def test_prefix_cache_off_keeps_sessions_only(tiny_llama):
     model, cfg, _ = tiny_llama
-    engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, prefix_cache=False),
-                    eos_ids=())  # fmt: skip
+    engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, prefix_cache=False,
+                                        park_min_tokens=0), eos_ids=())  # fmt: skip
     prompt, delta = prompts_for(cfg.vocab_size, lengths=(12, 3), seed=45)
     first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(4), park="s")])[0]
     again = engine.generate([Request(prompt_ids=prompt, sampling=greedy(4))])[0]

@@ -67,6 +67,9 @@ class EngineConfig:
     cache_bytes: int | None = None
     prefix_cache: bool = True  # False: keep only parked sessions (no snapshots, no whole prompts)
     share_block: int = 16  # shared prefixes found among prompts are cut to whole blocks of this
+    # A finished session state is parked only if it holds at least this many tokens beyond the
+    # deepest kept state serving it (a vote's few-token reply after its kept prompt is not).
+    park_min_tokens: int = 16
     seed: int = 0
     unroll_layers: bool | None = None  # decode over per-layer weights; None = on CPU (DeviceEngine)
     sync_timings: bool = False  # wait for each admission's device work so timings split it out
@@ -675,11 +678,17 @@ class Engine:
                 continue
             self._running[slot] = None
             if job.request.park is not None and job.request.cache:
-                # The device fed every drawn token but the last; park only an exact state.
-                if job.device_tokens == len(job.tokens):
+                # The device fed every drawn token but the last; park only an exact state, and
+                # only one that holds enough tokens no kept state serves: a few are cheaper to
+                # recompute inside the next turn's resume than a whole row is to copy.
+                key = job.prompt + tuple(job.tokens[:-1])
+                if job.device_tokens != len(job.tokens):
+                    pass
+                elif len(key) - self._index.served(key) < c.park_min_tokens:
+                    self.stats["parks_skipped"] += 1
+                else:
                     row = self._index.alloc()
                     if row is not None:
-                        key = job.prompt + tuple(job.tokens[:-1])
                         to_park.append((slot, row, job.request.park, key))
             self._finish(job, reason, stop_text_at=cut_at)
         if to_park:

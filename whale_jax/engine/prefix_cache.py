@@ -81,28 +81,41 @@ class PrefixIndex:
         prompt, or the whole prompt with its logits kept; with ``partial``, also any prefix of
         its key the prompt starts with, short of the prompt's last token (whose logits are
         needed). The deepest wins. Marks it recently used."""
+        best, depth = self._deepest(prompt, len(prompt) - 1)
+        if best is not None:
+            self.touch(best)
+        return best, depth
+
+    def served(self, tokens: Tokens) -> int:
+        """How many of ``tokens`` a prompt that goes on past them could continue from (what a
+        state kept for exactly these tokens would add to the cache is the rest). Touches
+        nothing."""
+        return self._deepest(tokens, len(tokens))[1]
+
+    def _deepest(self, prompt: Tokens, limit: int) -> tuple[Entry | None, int]:
+        """The deepest entry serving ``prompt`` (``lookup``), partial depths capped at ``limit``
+        (a whole prompt is served only by an entry with its logits when ``limit`` < its
+        length)."""
         n = len(prompt)
         best, depth = None, 0
         for length in sorted((k for k in self._by_len if k <= n), reverse=True):
             key = prompt if length == n else prompt[:length]
             entry = self._entries.get(key)
-            if entry is not None and (length < n or entry.logits):
+            if entry is not None and (length <= limit or entry.logits):
                 best, depth = entry, length
                 break
-        if self.partial and depth < n - 1:
+        if self.partial and depth < limit:
             shared = self.shared_depth(prompt)
             # Keys under the deepest shared block run along the prompt for less than a block
             # more: worth a look only if that can beat ``depth``.
-            if shared and shared + self.block > depth + 1:
+            if shared and min(shared + self.block - 1, limit) > depth:
                 for key in self._under[prompt[:shared]]:
-                    end = min(len(key), n - 1)
+                    end = min(len(key), limit)
                     d = min(shared, end)
                     while d < end and key[d] == prompt[d]:
                         d += 1
                     if d > depth:
                         best, depth = self._entries[key], d
-        if best is not None:
-            self.touch(best)
         return best, depth
 
     def touch(self, entry: Entry) -> None:
