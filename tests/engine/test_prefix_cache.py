@@ -7,6 +7,8 @@ differently by ~1e-6 of the logits' scale; a token can then differ only at a nea
 size (greedy) or a Gumbel-max draw that close (sampled), about 1e-6 per token. Greedy tokens are
 also checked against the full forward, teacher-forced."""
 
+import random
+
 import jax
 import pytest
 from flax import nnx
@@ -56,6 +58,32 @@ def test_partial_lookup_serves_any_prefix_of_a_key_but_the_last_prompt_token():
     other = index.add((1, 2, 3, 4, 5, 6, 7, 8), index.alloc(), logits=True)
     assert index.lookup((1, 2, 3, 4, 5, 9, 9, 9)) == (snap, 5)
     assert index.lookup((1, 2, 3, 4, 5, 6, 9, 9)) == (other, 6)
+
+
+def test_lookup_depths_equal_a_brute_force_search():
+    rng = random.Random(0)
+    for trial in range(200):
+        block, partial = rng.choice([1, 2, 3]), trial % 2 == 1
+        index = PrefixIndex(12, block=block, partial=partial)
+        for _ in range(rng.randint(1, 12)):
+            key = tuple(rng.choices(range(3), k=rng.randint(1, 9)))
+            index.add(key, index.alloc(), logits=rng.random() < 0.5)
+        entries = [index.get(k) for k in list(index._entries)]
+        for _ in range(20):
+            prompt = tuple(rng.choices(range(3), k=rng.randint(1, 10)))
+            for limit, got in ((len(prompt) - 1, index.lookup(prompt)),
+                               (len(prompt), (None, index.served(prompt)))):  # fmt: skip
+                want = 0
+                for e in entries:
+                    lcp = next((i for i, (a, b) in enumerate(zip(e.key, prompt)) if a != b),
+                               min(len(e.key), len(prompt)))  # fmt: skip
+                    if lcp == len(e.key) and (lcp <= limit or e.logits):
+                        want = max(want, lcp)  # an exact key that starts the prompt
+                    elif partial and lcp >= block:  # found through a shared whole block
+                        want = max(want, min(lcp, limit))
+                assert got[1] == want, (prompt, limit, [e.key for e in entries])
+                if got[0] is not None:
+                    assert got[0].key[: got[1]] == prompt[: got[1]]
 
 
 def test_eviction_takes_cold_entries_first_and_never_pinned_ones():

@@ -682,14 +682,11 @@ class Engine:
                 # only one that holds enough tokens no kept state serves: a few are cheaper to
                 # recompute inside the next turn's resume than a whole row is to copy.
                 key = job.prompt + tuple(job.tokens[:-1])
-                if job.device_tokens != len(job.tokens):
-                    pass
-                elif len(key) - self._index.served(key) < c.park_min_tokens:
+                exact = job.device_tokens == len(job.tokens)
+                if exact and len(key) - self._index.served(key) < c.park_min_tokens:
                     self.stats["parks_skipped"] += 1
-                else:
-                    row = self._index.alloc()
-                    if row is not None:
-                        to_park.append((slot, row, job.request.park, key))
+                elif exact and (row := self._index.alloc()) is not None:
+                    to_park.append((slot, row, job.request.park, key))
             self._finish(job, reason, stop_text_at=cut_at)
         if to_park:
             M = _pow2(len(to_park))

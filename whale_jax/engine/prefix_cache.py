@@ -93,9 +93,9 @@ class PrefixIndex:
         return self._deepest(tokens, len(tokens))[1]
 
     def _deepest(self, prompt: Tokens, limit: int) -> tuple[Entry | None, int]:
-        """The deepest entry serving ``prompt`` (``lookup``), partial depths capped at ``limit``
-        (a whole prompt is served only by an entry with its logits when ``limit`` < its
-        length)."""
+        """The deepest entry serving ``prompt`` and its depth: an exact key of at most ``limit``
+        tokens, or the whole prompt if its entry kept logits; with ``partial``, a prefix of any
+        key, at most ``limit`` tokens deep."""
         n = len(prompt)
         best, depth = None, 0
         for length in sorted((k for k in self._by_len if k <= n), reverse=True):
@@ -110,12 +110,16 @@ class PrefixIndex:
             # more: worth a look only if that can beat ``depth``.
             if shared and min(shared + self.block - 1, limit) > depth:
                 for key in self._under[prompt[:shared]]:
+                    # To beat ``depth`` a key must match the prompt up to ``lo`` (checked in
+                    # one slice comparison: most keys fail it), then it is followed token by token.
                     end = min(len(key), limit)
-                    d = min(shared, end)
+                    lo = max(depth + 1, min(shared, end))
+                    if end < lo or key[shared:lo] != prompt[shared:lo]:
+                        continue
+                    d = lo
                     while d < end and key[d] == prompt[d]:
                         d += 1
-                    if d > depth:
-                        best, depth = self._entries[key], d
+                    best, depth = self._entries[key], d
         return best, depth
 
     def touch(self, entry: Entry) -> None:
