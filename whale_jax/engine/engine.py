@@ -683,7 +683,9 @@ class Engine:
                 # recompute inside the next turn's resume than a whole row is to copy.
                 key = job.prompt + tuple(job.tokens[:-1])
                 exact = job.device_tokens == len(job.tokens)
-                if exact and len(key) - self._index.served(key) < c.park_min_tokens:
+                short = (exact and c.park_min_tokens > 0
+                         and len(key) - self._index.served(key) < c.park_min_tokens)  # fmt: skip
+                if short:
                     self.stats["parks_skipped"] += 1
                 elif exact and (row := self._index.alloc()) is not None:
                     to_park.append((slot, row, job.request.park, key))
