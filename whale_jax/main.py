@@ -12,6 +12,7 @@ missing data or a foreign checkpoint (the message names the flag or file), 143 s
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags
@@ -121,6 +122,9 @@ flags.DEFINE_integer("checkpoint_every_steps", 0, "Also save every N RSFT steps 
 flags.DEFINE_float("checkpoint_every_minutes", 30.0, "Also save after this long since the last.")
 flags.DEFINE_float("preemption_grace_s", 25.0, "On SIGTERM, save only if a save (as long as "
                    "the last one took) fits in what is left of this grace.")  # fmt: skip
+flags.DEFINE_string("compilation_cache_dir", "", "JAX's persistent compilation cache: a resumed "
+                    "or repeated run loads compiled programs instead of compiling them again "
+                    "(default: <run_dir>/compile_cache; 'none': off).")  # fmt: skip
 flags.DEFINE_bool("report", True, "Write the Markdown + PNG report at the end.")
 flags.DEFINE_bool("tensorboard", True, "Write TensorBoard event files.")
 flags.DEFINE_bool("progress", True, "Progress bars on stderr.")
@@ -204,6 +208,20 @@ def config_from_flags(f=F) -> cfg.RunConfig:
     return config
 
 
+def enable_compilation_cache(directory: str, run_dir: str) -> str | None:
+    """Points JAX's persistent compilation cache at ``directory`` (default under the run
+    directory; 'none': off) before anything compiles, every program included however quick its
+    compile: a preempted run restarts without recompiling its engine and train steps."""
+    if directory.lower() == "none":
+        return None
+    import jax
+
+    directory = directory or os.path.join(run_dir, "compile_cache")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return directory
+
+
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         print(f"unexpected arguments {argv[1:]} (flags are --name=value)", file=sys.stderr)
@@ -217,6 +235,7 @@ def main(argv: list[str]) -> int:
 
     try:
         config = config_from_flags()
+        enable_compilation_cache(F.compilation_cache_dir, config.run_dir)
         run = WhaleRun(config)
         summary = run.run(allow_config_change=F.allow_config_change)
     except (cfg.ConfigError, CheckpointMismatch) as e:

@@ -252,6 +252,32 @@ def test_requests_submitted_together_are_admitted_together(tiny_llama):
     engine.close()
 
 
+def test_row_moves_compile_once_per_state_shape(tiny_llama):
+    """Inserting, parking and keeping rows take index arrays of one size whatever the number of
+    rows moved (padding is free on device; every new count used to be a new compile)."""
+    model, cfg, _ = tiny_llama
+    engine = Engine(
+        model,
+        EngineConfig(slots=4, max_len=64, steps=4, prefill_batch=4, cache_rows=32,
+                     park_min_tokens=0),
+        eos_ids=(),
+    )  # fmt: skip
+    prompts = prompts_for(cfg.vocab_size, lengths=(5, 9, 3, 7), seed=13)
+    for n in (1, 3, 2, 4):
+        reqs = [Request(prompt_ids=p, sampling=greedy(4), park=f"s{n}.{i}")
+                for i, p in enumerate(prompts[:n])]  # fmt: skip
+        engine.generate(reqs)
+    for n in (1, 3):  # whole prompts kept with their logits: straight from the store
+        engine.generate([Request(prompt_ids=p, sampling=greedy(4)) for p in prompts[:n]])
+    sig = engine.device.signatures
+    engine.close()
+    assert engine.stats["parked"] == 10 and engine.stats["full_hits"] == 10  # repeats: stored
+    assert len(sig["park"]) == 1 and len(sig["insert_stored"]) == 1
+    assert {m for *_, m in sig["insert"]} == {4}  # the slot count, whatever the rows
+    assert all(m == p for p, _, m in sig["store_put"])  # the prefix's rows
+    assert len(sig["insert"]) == len(sig["store_put"]) == len(sig["prefill"])
+
+
 def test_a_failing_resume_leaves_an_empty_cache_and_the_engine_serves(setup, monkeypatch):
     """A device error while continuing a kept state fails that request; the store (which the
     failed call may have consumed) starts empty with every row free, and serving goes on."""

@@ -82,6 +82,7 @@ def test_a_whole_run(baseline, tiny_model_dir):
     assert os.path.exists(os.path.join(run_dir, "report", "report.md"))
     assert os.path.exists(os.path.join(run_dir, "report", "mean_at_k.png"))
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
+    assert os.listdir(os.path.join(run_dir, "compile_cache"))  # a resume loads, not compiles
     phase = os.path.join(run_dir, "archive", "phase-001")
     assert os.path.exists(os.path.join(phase, "accepted.json"))
     # Finished runs stay finished: a rerun does no work.

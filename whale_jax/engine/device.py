@@ -127,6 +127,18 @@ def _copy_rows(
     return DecodeCache(lengths=lengths, layers=layers)
 
 
+def _copy_logits(dst: Array, src: Array, src_rows, dst_rows) -> Array:
+    """dst rows ``dst_rows`` <- src rows ``src_rows`` of [rows, V] logits, real entries only (as
+    ``_copy_rows``): a gather and scatter of every padded entry's whole row would cost more."""
+    count = jnp.sum(dst_rows < dst.shape[0])
+
+    def one(m, d):
+        row = jax.lax.dynamic_slice_in_dim(src, src_rows[m], 1, axis=0)
+        return jax.lax.dynamic_update_slice(d, row.astype(d.dtype), (dst_rows[m], 0))
+
+    return jax.lax.fori_loop(0, count, one, dst)
+
+
 def _gather_rows(src: DecodeCache, kv: tuple[bool, ...], rows, window: int) -> DecodeCache:
     """Rows ``rows`` of ``src``, each KV array cut to its first ``window`` positions."""
     layers = tuple(
@@ -169,7 +181,7 @@ def _insert_rows(
     )
     return DecodeState(
         cache=cache,
-        logits=put(state.logits, prefix.logits[rows]),
+        logits=_copy_logits(state.logits, prefix.logits, rows, slots_M),
         count=put(state.count, jnp.zeros_like(slots_M)),
         max_new=put(state.max_new, init["max_new"]),
         active=put(state.active, jnp.ones(slots_M.shape, bool)),
@@ -259,7 +271,7 @@ def _park(kv, window, store: Prefix, cache: DecodeCache, slots_M, rows_M) -> Pre
 def _store_put(kv, store: Prefix, prefix: Prefix, src_rows, dst_rows) -> Prefix:
     """Store rows ``dst_rows`` <- prefix rows ``src_rows``, logits included."""
     return Prefix(
-        logits=store.logits.at[dst_rows].set(prefix.logits[src_rows], mode="drop"),
+        logits=_copy_logits(store.logits, prefix.logits, src_rows, dst_rows),
         cache=_copy_rows(store.cache, prefix.cache, kv, src_rows, dst_rows),
     )
 

@@ -14,8 +14,10 @@ later requests. A segment that several requests share is computed once; a whole 
 kept with its logits, so a later identical prompt (another sample, another vote) samples at once.
 
 Shapes are static: prompt lengths are padded to power-of-two buckets (at least ``min_bucket``, at
-most ``max_len``), prefill batches to powers of two up to ``prefill_batch``; ``compile_counts``
-says how many shapes each jitted function has seen.
+most ``max_len``), prefill batches to powers of two up to ``prefill_batch``; row moves (insert,
+park, keeping prefill rows) always take one size of index arrays, padded past the real entries
+(padding costs nothing on device), so they compile once per state shape, not once per count.
+``compile_counts`` says how many shapes each jitted function has seen.
 
 A bad request (empty prompt, prompt that does not fit, max_new_tokens <= 0, ids outside the
 vocabulary) completes at once with ``finish_reason`` "error" or "prompt_too_long"; nothing else
@@ -574,7 +576,7 @@ class Engine:
             self.stats["prefill_tokens"] += int(n_new.sum())
         kept = [(i, seg) for i, seg in enumerate(group) if seg.row is not None]
         if kept:
-            M = _pow2(len(kept))
+            M = P  # one size per prefix shape: padding entries cost nothing, compiles do
             src = np.zeros(M, np.int32)
             dst = np.full(M, self.device.store.logits.shape[0], np.int32)  # past the end: dropped
             for m, (i, seg) in enumerate(kept):
@@ -609,9 +611,8 @@ class Engine:
 
     def _insert(self, prefix: Prefix | None, pairs: list[tuple[int, _Job]], slots, *,
                 window: int | None = None) -> None:  # fmt: skip
-        M = _pow2(len(pairs))
         E = self.config.max_stop_ids
-        B = self.config.slots
+        B = M = self.config.slots  # one size for every insert (padding is free, compiles not)
         init = dict(
             rows=np.zeros(M, np.int32),
             slots=np.full(M, B, np.int32),  # padding entries point past the end: dropped
@@ -691,7 +692,7 @@ class Engine:
                     to_park.append((slot, row, job.request.park, key))
             self._finish(job, reason, stop_text_at=cut_at)
         if to_park:
-            M = _pow2(len(to_park))
+            M = c.slots  # one size for every park
             slots = np.full(M, 0, np.int32)
             rows = np.full(M, self.device.store.logits.shape[0], np.int32)  # padding: dropped
             for m, (slot, row, _, _) in enumerate(to_park):
