@@ -337,6 +337,37 @@ def test_a_short_reply_after_a_kept_prompt_is_not_parked(request, fixture):
     engine.close()
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_5"])
+def test_a_boundary_just_past_a_parked_reply_is_not_a_round_of_its_own(request, fixture):
+    """A session's next turn marks the end of its messages two tokens past its parked reply: with
+    park_min_tokens 6 the turn resumes in one call and keeps nothing there; with 0 it stops at
+    the boundary first. The same tokens either way, and those of a fresh prefill."""
+    model, cfg, _ = request.getfixturevalue(fixture)
+    prompt, delta = prompts_for(cfg.vocab_size, lengths=(12, 5), seed=49)
+    outs = []
+    for min_tokens in (6, 0):
+        engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, cache_rows=8,
+                                            park_min_tokens=min_tokens), eos_ids=())  # fmt: skip
+        first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(8), park="s")])[0]
+        parked = len(prompt) + len(first.token_ids) - 1
+        follow = prompt + first.token_ids + delta
+        boundary = parked + 2
+        resumes = engine.stats["resumes"]
+        turn = engine.generate([Request(prompt_ids=follow, sampling=greedy(4), park="s",
+                                        snapshots=(boundary,))])[0]  # fmt: skip
+        assert turn.reused_tokens == parked
+        kept = engine._index.get(tuple(follow[:boundary])) is not None
+        assert (engine.stats["resumes"] - resumes, kept) == (
+            (1, False) if min_tokens else (2, True)
+        )
+        fresh = engine.generate([Request(prompt_ids=follow, sampling=greedy(4), cache=False)])[0]
+        assert turn.token_ids == fresh.token_ids
+        outs.append(turn.token_ids)
+        engine.close()
+    assert outs[0] == outs[1]
+    assert_greedy(model, [follow], [outs[0]])
+
+
 def test_prefix_cache_off_keeps_sessions_only(tiny_llama):
     model, cfg, _ = tiny_llama
     engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, prefix_cache=False,

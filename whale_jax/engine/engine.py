@@ -70,7 +70,8 @@ class EngineConfig:
     prefix_cache: bool = True  # False: keep only parked sessions (no snapshots, no whole prompts)
     share_block: int = 16  # shared prefixes found among prompts are cut to whole blocks of this
     # A finished session state is parked only if it holds at least this many tokens beyond the
-    # deepest kept state serving it (a vote's few-token reply after its kept prompt is not).
+    # deepest kept state serving it (a vote's few-token reply after its kept prompt is not); nor
+    # is a client snapshot point kept that lies fewer tokens beyond the state a request resumes.
     park_min_tokens: int = 16
     seed: int = 0
     unroll_layers: bool | None = None  # decode over per-layer weights; None = on CPU (DeviceEngine)
@@ -456,7 +457,11 @@ class Engine:
             prompt, n = p.job.prompt, len(p.job.prompt)
             points: set[int] = set()
             if c.prefix_cache and p.job.request.cache:
-                points.update(p.job.request.snapshots)
+                # A client boundary only a few tokens past the kept state the request starts
+                # from (a session turn's end of message, just past its parked reply) is not worth
+                # a round and a row of its own: the rest of the prompt goes in one resume.
+                points.update(x for x in p.job.request.snapshots
+                              if p.have == 0 or x - p.have >= c.park_min_tokens)  # fmt: skip
                 points.update(shared.get(prompt, ()))
                 points.add(index.shared_depth(prompt))
             p.points = sorted(x for x in points if p.have < x < n) + ([n] if p.have < n else [])
