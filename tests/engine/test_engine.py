@@ -31,9 +31,9 @@ def setup(request):
     model, cfg, _ = request.getfixturevalue(request.param)
     engine = Engine(
         model,
-        # park_min_tokens=0: every finished state with a park name is parked, however short
+        # min_kept_tokens=0: every finished state with a park name is parked, however short
         EngineConfig(
-            slots=3, max_len=64, steps=4, prefill_batch=4, min_kv_bucket=32, park_min_tokens=0
+            slots=3, max_len=64, steps=4, prefill_batch=4, min_kv_bucket=32, min_kept_tokens=0
         ),
         eos_ids=(),
         detokenize=letters,
@@ -252,6 +252,21 @@ def test_requests_submitted_together_are_admitted_together(tiny_llama):
     engine.close()
 
 
+def test_a_batch_that_would_be_mostly_padding_is_split(tiny_llama):
+    """A call's rows are padded to a power of two and a padding row costs as much as a real one:
+    5 prompts go in calls of 4 and 1 (not 8), 7 in one of 8 (one padding row), and the tokens are
+    those of the full forward."""
+    model, cfg, _ = tiny_llama
+    engine = Engine(model, EngineConfig(slots=8, max_len=64, steps=4, prefill_batch=8), eos_ids=())
+    for n, shapes in ((5, {((4, 16),), ((1, 16),)}), (7, {((8, 16),)})):
+        engine.device.signatures.clear()
+        prompts = prompts_for(cfg.vocab_size, lengths=(5, 9, 3, 7, 4, 6, 8)[:n], seed=20 + n)
+        outs = engine.generate([Request(prompt_ids=p, sampling=greedy(3)) for p in prompts])
+        assert engine.device.signatures["prefill"] == shapes
+        assert_greedy(model, prompts, [o.token_ids for o in outs])
+    engine.close()
+
+
 def test_row_moves_compile_once_per_state_shape(tiny_llama):
     """Inserting, parking and keeping rows take index arrays of one size whatever the number of
     rows moved (padding is free on device; every new count used to be a new compile)."""
@@ -259,7 +274,7 @@ def test_row_moves_compile_once_per_state_shape(tiny_llama):
     engine = Engine(
         model,
         EngineConfig(slots=4, max_len=64, steps=4, prefill_batch=4, cache_rows=32,
-                     park_min_tokens=0),
+                     min_kept_tokens=0),
         eos_ids=(),
     )  # fmt: skip
     prompts = prompts_for(cfg.vocab_size, lengths=(5, 9, 3, 7), seed=13)

@@ -150,7 +150,7 @@ def test_branch_points_are_where_sharing_groups_shrink():
 def setup(request):
     model, cfg, _ = request.getfixturevalue(request.param)
     config = EngineConfig(slots=4, max_len=96, steps=4, prefill_batch=4, min_kv_bucket=32,
-                          cache_rows=16, share_block=8)  # fmt: skip
+                          cache_rows=16, share_block=8, min_kept_tokens=8)  # fmt: skip
     engine = Engine(model, config, eos_ids=())
     yield model, cfg, engine
     engine.close()
@@ -296,7 +296,7 @@ def test_new_weights_drop_every_kept_state(setup):
 
 def test_a_session_drops_its_park_when_its_next_prompt_does_not_continue_it(tiny_llama):
     model, cfg, _ = tiny_llama
-    config = EngineConfig(slots=2, max_len=64, steps=4, cache_rows=8, park_min_tokens=0)
+    config = EngineConfig(slots=2, max_len=64, steps=4, cache_rows=8, min_kept_tokens=0)
     engine = Engine(model, config, eos_ids=())
     prompt, delta = prompts_for(cfg.vocab_size, lengths=(12, 3), seed=46)
     first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(4), park="s")])[0]
@@ -314,12 +314,12 @@ def test_a_session_drops_its_park_when_its_next_prompt_does_not_continue_it(tiny
 
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_5"])
 def test_a_short_reply_after_a_kept_prompt_is_not_parked(request, fixture):
-    """A finished state is parked only if it holds park_min_tokens tokens beyond the deepest kept
+    """A finished state is parked only if it holds min_kept_tokens tokens beyond the deepest kept
     state serving it; a session whose short reply was not parked resumes from its kept prompt
     (recomputing the reply) and samples the same tokens."""
     model, cfg, _ = request.getfixturevalue(fixture)
     engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, cache_rows=8,
-                                        park_min_tokens=6), eos_ids=())  # fmt: skip
+                                        min_kept_tokens=6), eos_ids=())  # fmt: skip
     prompt, delta = prompts_for(cfg.vocab_size, lengths=(12, 3), seed=48)
     short = engine.generate([Request(prompt_ids=prompt, sampling=greedy(5), park="a")])[0]
     assert engine.stats["parks_skipped"] == 1  # 4 tokens past the kept prompt
@@ -340,14 +340,14 @@ def test_a_short_reply_after_a_kept_prompt_is_not_parked(request, fixture):
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_5"])
 def test_a_boundary_just_past_a_parked_reply_is_not_a_round_of_its_own(request, fixture):
     """A session's next turn marks the end of its messages two tokens past its parked reply: with
-    park_min_tokens 6 the turn resumes in one call and keeps nothing there; with 0 it stops at
+    min_kept_tokens 6 the turn resumes in one call and keeps nothing there; with 0 it stops at
     the boundary first. The same tokens either way, and those of a fresh prefill."""
     model, cfg, _ = request.getfixturevalue(fixture)
     prompt, delta = prompts_for(cfg.vocab_size, lengths=(12, 5), seed=49)
     outs = []
     for min_tokens in (6, 0):
         engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, cache_rows=8,
-                                            park_min_tokens=min_tokens), eos_ids=())  # fmt: skip
+                                            min_kept_tokens=min_tokens), eos_ids=())  # fmt: skip
         first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(8), park="s")])[0]
         parked = len(prompt) + len(first.token_ids) - 1
         follow = prompt + first.token_ids + delta
@@ -368,10 +368,56 @@ def test_a_boundary_just_past_a_parked_reply_is_not_a_round_of_its_own(request, 
     assert_greedy(model, [follow], [outs[0]])
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_5"])
+def test_a_prefix_too_short_to_pay_for_a_resume_is_prefilled_with_the_rest(request, fixture):
+    """A client boundary fewer than min_kept_tokens into the prompt (a short system prompt) is not
+    kept, and a kept state that short is not resumed from: the prompt is prefilled whole, as a
+    resume of the few tokens after it costs more than prefilling them again. With 0 the same
+    prompts stop at the boundary and resume from it; the tokens are the same."""
+    model, cfg, _ = request.getfixturevalue(fixture)
+    head, *tails = prompts_for(cfg.vocab_size, lengths=(5, 10, 11), seed=50)
+    outs = []
+    for min_tokens in (8, 0):
+        # share_block 4: llama (every layer attention) could serve the 5 tokens from the first
+        # whole prompt's kept state, found by block.
+        engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, cache_rows=8,
+                                            share_block=4, min_kept_tokens=min_tokens),
+                        eos_ids=())  # fmt: skip
+        got = [
+            engine.generate(
+                [Request(prompt_ids=head + tail, sampling=greedy(4), snapshots=(len(head),))]
+            )[0]  # fmt: skip
+            for tail in tails
+        ]
+        kept = engine._index.get(tuple(head)) is not None
+        reused = [c.reused_tokens for c in got]
+        assert (engine.stats["resumes"], kept, reused) == (
+            (0, False, [0, 0]) if min_tokens else (2, True, [0, len(head)])
+        )
+        outs.append([c.token_ids for c in got])
+        engine.close()
+    assert outs[0] == outs[1]
+    assert_greedy(model, [head + t for t in tails], outs[0])
+
+
+def test_a_resume_of_a_few_tokens_is_padded_to_min_resume_bucket(tiny_llama):
+    """Three new tokens past a kept prompt resume in a 4-token bucket (a prefill's smallest is
+    16), with the tokens of the full forward."""
+    model, cfg, _ = tiny_llama
+    engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, cache_rows=8), eos_ids=())
+    prompt, more = prompts_for(cfg.vocab_size, lengths=(20, 3), seed=51)
+    engine.generate([Request(prompt_ids=prompt, sampling=greedy(2))])
+    out = engine.generate([Request(prompt_ids=prompt + more, sampling=greedy(4))])[0]
+    assert out.reused_tokens == len(prompt)
+    assert {T for (_, T), _ in engine.device.signatures["resume"]} == {4}
+    assert_greedy(model, [prompt + more], [out.token_ids])
+    engine.close()
+
+
 def test_prefix_cache_off_keeps_sessions_only(tiny_llama):
     model, cfg, _ = tiny_llama
     engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, prefix_cache=False,
-                                        park_min_tokens=0), eos_ids=())  # fmt: skip
+                                        min_kept_tokens=0), eos_ids=())  # fmt: skip
     prompt, delta = prompts_for(cfg.vocab_size, lengths=(12, 3), seed=45)
     first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(4), park="s")])[0]
     again = engine.generate([Request(prompt_ids=prompt, sampling=greedy(4))])[0]

@@ -13,8 +13,9 @@ admitted together; the depth a prompt shares with a kept one) so the state there
 later requests. A segment that several requests share is computed once; a whole prompt is
 kept with its logits, so a later identical prompt (another sample, another vote) samples at once.
 
-Shapes are static: prompt lengths are padded to power-of-two buckets (at least ``min_bucket``, at
-most ``max_len``), prefill batches to powers of two up to ``prefill_batch``; row moves (insert,
+Shapes are static: prompt lengths are padded to power-of-two buckets (at least ``min_bucket``, or
+``min_resume_bucket`` for a resume's new tokens, at most ``max_len``), prefill and resume batches
+to powers of two up to ``prefill_batch`` (split where that would pad over a quarter); row moves (insert,
 park, keeping prefill rows) always take one size of index arrays, padded past the real entries
 (padding costs nothing on device), so they compile once per state shape, not once per count.
 ``compile_counts`` says how many shapes each jitted function has seen.
@@ -59,7 +60,9 @@ class EngineConfig:
     max_len: int = 1024
     steps: int = 8  # decode steps per jitted call
     prefill_batch: int = 8  # most prompts prefilled by one call
-    min_bucket: int = 16  # smallest prompt-length bucket
+    min_bucket: int = 16  # smallest prompt-length bucket of a prefill
+    # smallest new-token bucket of a resume (a vote's or a sample's few tokens past a kept prefix)
+    min_resume_bucket: int = 4
     min_kv_bucket: int = 64  # smallest KV window a decode call reads
     max_top_k: int = 64  # width of the exact top-k path (wider top-k falls back to a full sort)
     max_stop_ids: int = 8
@@ -69,10 +72,14 @@ class EngineConfig:
     cache_bytes: int | None = None
     prefix_cache: bool = True  # False: keep only parked sessions (no snapshots, no whole prompts)
     share_block: int = 16  # shared prefixes found among prompts are cut to whole blocks of this
-    # A finished session state is parked only if it holds at least this many tokens beyond the
-    # deepest kept state serving it (a vote's few-token reply after its kept prompt is not); nor
-    # is a client snapshot point kept that lies fewer tokens beyond the state a request resumes.
-    park_min_tokens: int = 16
+    # A kept state must save at least this many tokens: a finished session state is parked only
+    # if it holds this many beyond the deepest kept state serving it (a vote's few-token reply
+    # after its kept prompt is not); a snapshot point is made only this far past where its
+    # request starts (a turn's message end just past its parked reply is not, nor a short system
+    # prompt); a request resumes from a kept prefix only this long (else it prefills whole: a
+    # resume reads a KV window and costs more per token than a fresh prefill). Whole prompts
+    # (repeats: no prefill at all) are always kept and served.
+    min_kept_tokens: int = 16
     seed: int = 0
     unroll_layers: bool | None = None  # decode over per-layer weights; None = on CPU (DeviceEngine)
     sync_timings: bool = False  # wait for each admission's device work so timings split it out
@@ -129,6 +136,23 @@ def _bucket(n: int, lo: int, hi: int) -> int:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _batches(n: int, most: int) -> list[int]:
+    """Sizes of the calls that compute ``n`` segments, at most ``most`` each: a call's rows are
+    padded to a power of two, and every padding row costs as much as a real one, so where that
+    would pad more than a quarter of the rows the rest goes in smaller calls (10 -> 8 + 2, 5 -> 4
+    + 1; 15 -> one call of 16). Each call also reads every weight once, hence not all the way
+    down to single rows."""
+    sizes = []
+    while n:
+        size = min(n, most)
+        P = _pow2(size)
+        if 4 * (P - size) > P:
+            size = P // 2
+        sizes.append(size)
+        n -= size
+    return sizes
 
 
 class Engine:
@@ -443,6 +467,8 @@ class Engine:
         plans: list[_Plan] = []
         for job in jobs:
             start, have = index.lookup(job.prompt) if job.request.cache else (None, 0)
+            if have < min(c.min_kept_tokens, len(job.prompt)):  # not worth a resume: prefill
+                start, have = None, 0
             if start is not None:
                 index.pin(start)
                 job.reused = have
@@ -460,11 +486,11 @@ class Engine:
                 # A client boundary only a few tokens past the kept state the request starts
                 # from (a session turn's end of message, just past its parked reply) is not worth
                 # a round and a row of its own: the rest of the prompt goes in one resume.
-                points.update(x for x in p.job.request.snapshots
-                              if p.have == 0 or x - p.have >= c.park_min_tokens)  # fmt: skip
+                points.update(p.job.request.snapshots)
                 points.update(shared.get(prompt, ()))
                 points.add(index.shared_depth(prompt))
-            p.points = sorted(x for x in points if p.have < x < n) + ([n] if p.have < n else [])
+            first = p.have + max(1, c.min_kept_tokens)
+            p.points = sorted(x for x in points if first <= x < n) + ([n] if p.have < n else [])
         slots = iter(free)
         while plans:
             for p in plans:
@@ -481,8 +507,10 @@ class Engine:
                 by_start[seg.start is not None].append(seg)
             for resumed, group in by_start.items():
                 group.sort(key=lambda seg: len(seg.key) - seg.have)
-                for at in range(0, len(group), c.prefill_batch):
-                    self._compute(group[at : at + c.prefill_batch], resumed, slots)
+                at = 0
+                for size in _batches(len(group), c.prefill_batch):
+                    self._compute(group[at : at + size], resumed, slots)
+                    at += size
             plans = []
             for seg in segments:
                 for p in seg.plans:
@@ -559,7 +587,8 @@ class Engine:
         """One prefill (from scratch) or resume (from kept states) call for a group of segments;
         keeps their states where they have rows and fills the slots of the requests they end."""
         c = self.config
-        T = _bucket(max(len(seg.key) - seg.have for seg in group), c.min_bucket, c.max_len)
+        lo = c.min_resume_bucket if resumed else c.min_bucket
+        T = _bucket(max(len(seg.key) - seg.have for seg in group), lo, c.max_len)
         P = _pow2(len(group))
         tokens = np.zeros((P, T), np.int32)
         n_new = np.zeros((P,), np.int32)
@@ -689,8 +718,8 @@ class Engine:
                 # recompute inside the next turn's resume than a whole row is to copy.
                 key = job.prompt + tuple(job.tokens[:-1])
                 exact = job.device_tokens == len(job.tokens)
-                short = (exact and c.park_min_tokens > 0
-                         and len(key) - self._index.served(key) < c.park_min_tokens)  # fmt: skip
+                short = (exact and c.min_kept_tokens > 0
+                         and len(key) - self._index.served(key) < c.min_kept_tokens)  # fmt: skip
                 if short:
                     self.stats["parks_skipped"] += 1
                 elif exact and (row := self._index.alloc()) is not None:
