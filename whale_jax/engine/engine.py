@@ -15,9 +15,9 @@ kept with its logits, so a later identical prompt (another sample, another vote)
 
 Shapes are static: prompt lengths are padded to power-of-two buckets (at least ``min_bucket``, or
 ``min_resume_bucket`` for a resume's new tokens, at most ``max_len``), prefill and resume batches
-to powers of two up to ``prefill_batch`` (split where that would pad over a quarter); row moves (insert,
-park, keeping prefill rows) always take one size of index arrays, padded past the real entries
-(padding costs nothing on device), so they compile once per state shape, not once per count.
+to powers of two up to ``prefill_batch`` (split where that would pad over a quarter); row moves
+(insert, park, keeping prefill rows) always take one size of index arrays, padded past the real
+entries (padding costs nothing on device), so they compile once per state shape, not per count.
 ``compile_counts`` says how many shapes each jitted function has seen.
 
 A bad request (empty prompt, prompt that does not fit, max_new_tokens <= 0, ids outside the
@@ -483,12 +483,12 @@ class Engine:
             prompt, n = p.job.prompt, len(p.job.prompt)
             points: set[int] = set()
             if c.prefix_cache and p.job.request.cache:
-                # A client boundary only a few tokens past the kept state the request starts
-                # from (a session turn's end of message, just past its parked reply) is not worth
-                # a round and a row of its own: the rest of the prompt goes in one resume.
                 points.update(p.job.request.snapshots)
                 points.update(shared.get(prompt, ()))
                 points.add(index.shared_depth(prompt))
+            # A point only a few tokens past where the request starts (a session turn's end of
+            # message just past its parked reply, a short system prompt) is not worth a round
+            # and a row of its own: the prompt goes on to its next point in the same call.
             first = p.have + max(1, c.min_kept_tokens)
             p.points = sorted(x for x in points if first <= x < n) + ([n] if p.have < n else [])
         slots = iter(free)
