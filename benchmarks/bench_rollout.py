@@ -131,6 +131,13 @@ def bare_decode_rate(model, slots: int, max_len: int, steps: int, prompt_len: in
     return round(rate, 1)
 
 
+def workload_shape(records) -> tuple[int, int]:
+    """The bare engine's shape for a run: its calls' median prompt and mean completion length."""
+    calls = [c for r in records for c in r.calls]
+    median_prompt = sorted(len(c.prompt_ids) for c in calls)[len(calls) // 2]
+    return median_prompt, max(1, round(sum(len(c.completion_ids) for c in calls) / len(calls)))
+
+
 def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     from harness.executor import Executor, ExecutorConfig
     from whale_jax.client import EngineClient
@@ -145,9 +152,14 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     compiling = compile_timer()
     with Executor(warm, config) as ex:  # compiles the shapes this workload meets
         t0 = time.perf_counter()
-        ex.run(source, domain, warm_tasks, samples=args.samples)
+        warm_records = ex.run(source, domain, warm_tasks, samples=args.samples)
         cold = {"wall_s": round(time.perf_counter() - t0, 2), "compile_s": round(compiling(), 2)}
     warm.close()  # frees its decode state and store before the next engine allocates its own
+    # The limit is measured just before and just after the timed run (this machine's speed drifts
+    # by tens of percent within minutes); the share uses their mean.
+    bare_before = bare_decode_rate(model, args.slots, args.max_len, args.steps,
+                                   *workload_shape(warm_records))  # fmt: skip
+    compiling()  # the bare engine's own compiles are not the timed run's
     client = EngineClient(model, tokenizer, **options)
     engine = client.engine
     with Executor(client, config) as ex:
@@ -195,11 +207,13 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
         result["prefilled_tokens"] / max(result["unique_prompt_tokens"], 1), 2
     )
     # The limit: the bare engine at this workload's median prompt and mean completion.
-    median_prompt = sorted(map(len, prompts))[len(prompts) // 2]
-    mean_new = max(1, round(sampled / len(calls)))
-    bare = bare_decode_rate(model, args.slots, args.max_len, args.steps, median_prompt, mean_new)
+    median_prompt, mean_new = workload_shape(records)
+    bare_after = bare_decode_rate(model, args.slots, args.max_len, args.steps, median_prompt,
+                                  mean_new)  # fmt: skip
+    bare = round((bare_before + bare_after) / 2, 1)
     result["bare_engine"] = {"prompt_len": median_prompt, "new_tokens": mean_new,
-                             "decode_tokens_per_s": bare}  # fmt: skip
+                             "decode_tokens_per_s": bare, "before": bare_before,
+                             "after": bare_after}  # fmt: skip
     result["sampled_over_bare"] = round(result["sampled_tokens_per_s"] / bare, 3)
     # Compiles stop the engine thread (everything waits on them); a WHALE run meets each shape
     # once in hours. The warm-up meets nearly all of them (its own tasks: not every one).
@@ -214,6 +228,7 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
           f"evictions {cache_stats['evictions']}  occupancy {occupancy:.2f}  "
           f"generate {result['generate_share_of_wall']:.0%} of wall, engine busy "
           f"{result['engine_busy_share_of_wall']:.0%}  bare engine {bare} tok/s "
+          f"({bare_before} before, {bare_after} after) "
           f"({result['sampled_over_bare']:.0%}; {steady / bare:.0%} excluding compiles)",
           flush=True)  # fmt: skip
     return result
