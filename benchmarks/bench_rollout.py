@@ -111,9 +111,9 @@ def bare_decode_rate(model, slots: int, max_len: int, steps: int, prompt_len: in
     from whale_jax.engine import Engine, EngineConfig, Request, Sampling
 
     rng = np.random.default_rng(0)
-    # sync_timings: admission's device work is waited for inside admission: generate_s is decode. The
-    # prompts are kept whole, so repeats start from the store instead of prefilling again (only
-    # to keep this measurement short: admission is not part of the rate).
+    # sync_timings: admission's device work is waited for inside admission, so generate_s is
+    # decode. The prompts are kept whole, so repeats start from the store instead of prefilling
+    # again (only to keep this measurement short: admission is not part of the rate).
     engine = Engine(model, EngineConfig(slots=slots, max_len=max_len, steps=steps, prefill_batch=16,
                                         cache_rows=slots, sync_timings=True), eos_ids=())  # fmt: skip
     sampling = Sampling(temperature=1.0, top_k=20, max_new_tokens=new_tokens)

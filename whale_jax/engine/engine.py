@@ -718,8 +718,7 @@ class Engine:
                 # recompute inside the next turn's resume than a whole row is to copy.
                 key = job.prompt + tuple(job.tokens[:-1])
                 exact = job.device_tokens == len(job.tokens)
-                short = (exact and c.min_kept_tokens > 0
-                         and len(key) - self._index.served(key) < c.min_kept_tokens)  # fmt: skip
+                short = exact and len(key) - self._index.served(key) < c.min_kept_tokens
                 if short:
                     self.stats["parks_skipped"] += 1
                 elif exact and (row := self._index.alloc()) is not None:
