@@ -144,7 +144,8 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
 
     source, domain, make_tasks = spec
     options = dict(slots=args.slots, max_len=args.max_len, steps=args.steps, prefill_batch=16,
-                   cache_rows=args.cache_rows, prefix_cache=cache)  # fmt: skip
+                   cache_rows=args.cache_rows, prefix_cache=cache,
+                   row_moves=args.row_moves)  # fmt: skip
     config = ExecutorConfig(concurrency=args.concurrency)
     tasks = make_tasks(args.session_tasks if name == "session" else args.tasks, args.seed)
     warm_tasks = make_tasks(args.warm_tasks, 1000 + args.seed) if args.warm_tasks else tasks
@@ -249,11 +250,15 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=256, help="episodes in flight")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default="on,off", help="prefix cache modes to run")
+    ap.add_argument("--row-moves", choices=["loop", "scatter"], default=None,
+                    help="EngineConfig.row_moves (default: by backend)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="8 tasks x 8 samples, h0 and vote")
     ap.add_argument("--out", default="benchmarks/results/rollout.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.tasks, args.session_tasks, args.workloads = 8, 4, "h0,vote"
+    import jax
+
     from whale_jax.loading import load_model
 
     model, _, tokenizer = load_model("smollm2")
@@ -264,6 +269,8 @@ def main(argv=None) -> int:
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
+            "jax_device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
         },  # fmt: skip
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "runs": [],

@@ -1,6 +1,7 @@
-"""Moving decode-state rows between the slots and the store (``device._copy_rows`` and
-``_gather_rows``): exact copies of the named rows and positions, nothing else touched, padding
-entries (past the end, after the real ones) a no-op."""
+"""Moving decode-state rows between the slots and the store (``device._copy_rows``,
+``_copy_logits`` and ``_gather_rows``): exact copies of the named rows and positions, nothing else
+touched, padding entries (past the end, after the real ones) a no-op; a row at a time (``loop``,
+the CPU's) and all at once (``scatter``, the accelerators') alike."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +43,7 @@ def expected_copy(dst, src, src_rows, dst_rows, window):
     return out, lengths
 
 
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "scatter"])
 @pytest.mark.parametrize(
     "src_rows, dst_rows, window, src_capacity",
     [
@@ -51,16 +53,35 @@ def expected_copy(dst, src, src_rows, dst_rows, window):
         ([1, 0], [5, 6], None, 8),  # a shorter source fills the front of each row
     ],
 )
-def test_copy_rows_moves_exactly_the_named_rows(src_rows, dst_rows, window, src_capacity):
+def test_copy_rows_moves_exactly_the_named_rows(src_rows, dst_rows, window, src_capacity, loop):
     dst, src = cache(8, 16, 0), cache(6, src_capacity, 1)
     want, want_lengths = expected_copy(dst, src, src_rows, dst_rows, window)
     got = device._copy_rows(
-        dst, src, KV, jnp.asarray(src_rows, jnp.int32), jnp.asarray(dst_rows, jnp.int32), window
+        dst,
+        src,
+        KV,
+        jnp.asarray(src_rows, jnp.int32),
+        jnp.asarray(dst_rows, jnp.int32),
+        window,
+        loop=loop,
     )
     np.testing.assert_array_equal(np.asarray(got.lengths), want_lengths)
     for got_pair, want_pair in zip(got.layers, want, strict=True):
         for g, w in zip(got_pair, want_pair, strict=True):
             np.testing.assert_array_equal(np.asarray(g), w)
+
+
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "scatter"])
+def test_copy_logits_moves_exactly_the_named_rows(loop):
+    r = np.random.default_rng(3)
+    dst = r.normal(size=(8, 5)).astype(np.float32)
+    src = r.normal(size=(4, 5)).astype(np.float32)
+    src_rows, dst_rows = [2, 0, 3, 0], [7, 1, 8, 8]  # two padding entries (dst 8: past the end)
+    want = dst.copy()
+    want[7], want[1] = src[2], src[0]
+    got = device._copy_logits(jnp.asarray(dst), jnp.asarray(src), jnp.asarray(src_rows),
+                              jnp.asarray(dst_rows), loop=loop)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_gather_rows_takes_rows_and_a_window():

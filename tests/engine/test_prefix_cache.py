@@ -428,3 +428,44 @@ def test_prefix_cache_off_keeps_sessions_only(tiny_llama):
     assert_greedy(model, [prompt, prompt, follow], [first.token_ids, again.token_ids,
                                                     turn.token_ids])  # fmt: skip
     engine.close()
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3_5"])
+def test_row_moves_by_scatter_serve_what_the_loop_does(request, fixture):
+    """The accelerators' row moves (one scatter for all entries) against the CPU's (a row at a
+    time), on the same work: whole prompts kept and served again, a shared prefix, sessions
+    parked and resumed, all through a store small enough to evict. Same tokens, same stats."""
+    model, cfg, _ = request.getfixturevalue(fixture)
+    common, *tails = prompts_for(cfg.vocab_size, lengths=(24, 5, 6, 7, 9), seed=52)
+    prompts = [common + t for t in tails]
+    runs = {}
+    for moves in ("loop", "scatter"):
+        engine = Engine(model, EngineConfig(slots=4, max_len=96, steps=4, cache_rows=5,
+                                            min_kv_bucket=32, share_block=8, min_kept_tokens=8,
+                                            row_moves=moves), eos_ids=())  # fmt: skip
+        assert engine.device.row_moves == moves
+        turns = []
+        firsts = engine.generate([Request(prompt_ids=p, sampling=SAMPLED, identity=(i,),
+                                          park=f"s{i}") for i, p in enumerate(prompts)])  # fmt: skip
+        turns.append(firsts)
+        # Every prompt again (whole-prompt hits) and each session's next turn (resumes).
+        again = engine.generate([Request(prompt_ids=p, sampling=greedy(5), identity=("a", i))
+                                 for i, p in enumerate(prompts)])  # fmt: skip
+        turns.append(again)
+        follow = [p + f.token_ids + tails[0][:3] for p, f in zip(prompts, firsts, strict=True)]
+        turns.append(engine.generate([Request(prompt_ids=p, sampling=greedy(5), park=f"s{i}")
+                                      for i, p in enumerate(follow)]))  # fmt: skip
+        runs[moves] = (
+            [[(o.token_ids, o.reused_tokens) for o in outs] for outs in turns],
+            engine.cache_stats(),
+            follow,
+        )
+        engine.close()
+    assert runs["scatter"][0] == runs["loop"][0]
+    assert runs["scatter"][1] == runs["loop"][1]
+    stats = runs["loop"][1]
+    assert (
+        stats["full_hits"] >= 1 and stats["evictions"] >= 1 and stats["hits"] > stats["full_hits"]
+    )
+    outs = [o for o, _ in runs["scatter"][0][2]]
+    assert_greedy(model, runs["scatter"][2], outs)

@@ -91,45 +91,72 @@ def _row(x: Array, row, length: int | None = None) -> Array:
     return jax.lax.dynamic_slice(x, (0, row) + (0,) * (x.ndim - 2), sizes)
 
 
-# Rows move between the decode state and the store one dynamic slice per row, in a loop over the
-# real entries: XLA CPU's gather and scatter of [G, M, N, W, K] blocks run element by element, and
-# jnp indexing applies a static position slice to every row before gathering. Parking 8 SmolLM2
-# rows of 128 positions: 78 ms with indexing, 8 ms this way. The loop (not unrolled) keeps the
-# program small whatever M, and padding entries cost nothing.
+# Rows move between the decode state and the store in one of two ways (``DeviceEngine``'s
+# ``row_moves``). ``loop``, the CPU's: one dynamic slice per row, in a loop over the real entries:
+# XLA CPU's gather and scatter of [G, M, N, W, K] blocks run element by element, and jnp indexing
+# applies a static position slice to every row before gathering. Parking 8 SmolLM2 rows of 128
+# positions: 78 ms with indexing, 8 ms this way. The loop (not unrolled) keeps the program small
+# whatever M, and padding entries cost nothing. ``scatter``, the accelerators': one gather and one
+# scatter per array over all M entries (padding dropped by the scatter). On a GPU a loop with a
+# trip count known only on device runs its iterations one after another, each a round trip to
+# the host and a few small kernels per array; the scatter is a handful of wide kernels.
+
+
+def _window_index(ndim: int, rows, n: int | None) -> tuple:
+    """Index of ``rows`` (axis 1) of an array, and with ``n`` its first ``n`` positions."""
+    index: list = [slice(None)] * ndim
+    index[1] = rows
+    if n is not None:
+        index[KV_SEQ_AXIS] = slice(0, n)
+    return tuple(index)
 
 
 def _copy_rows(
     dst: DecodeCache, src: DecodeCache, kv: tuple[bool, ...], src_rows, dst_rows,
-    window: int | None = None,
+    window: int | None = None, *, loop: bool = True,
 ) -> DecodeCache:  # fmt: skip
     """dst rows ``dst_rows`` <- src rows ``src_rows``: of each KV array only the first ``window``
     positions (None: all src has; a shorter src capacity fills the front of dst). Entries whose
-    dst row is past the end of dst are padding; they come after every real entry."""
-    count = jnp.sum(dst_rows < dst.lengths.shape[0])
+    dst row is past the end of dst are padding; they come after every real entry. ``loop``:
+    one row at a time over the real entries, else one scatter (see above)."""
     sizes = []
     for is_kv, src_pair, dst_pair in zip(kv, src.layers, dst.layers, strict=True):
         for s, d in zip(src_pair, dst_pair, strict=True):
             cap = s.shape[KV_SEQ_AXIS]
             sizes.append(min(cap, d.shape[KV_SEQ_AXIS], window or cap) if is_kv else None)
     sources = jax.tree.leaves(src.layers)
+    if loop:
+        count = jnp.sum(dst_rows < dst.lengths.shape[0])
 
-    def one(m, arrays):
-        return tuple(
-            jax.lax.dynamic_update_slice(
-                d, _row(s, src_rows[m], n).astype(d.dtype), (0, dst_rows[m]) + (0,) * (d.ndim - 2)
+        def one(m, arrays):
+            return tuple(
+                jax.lax.dynamic_update_slice(
+                    d,
+                    _row(s, src_rows[m], n).astype(d.dtype),
+                    (0, dst_rows[m]) + (0,) * (d.ndim - 2),
+                )  # fmt: skip
+                for d, s, n in zip(arrays, sources, sizes, strict=True)
             )
-            for d, s, n in zip(arrays, sources, sizes, strict=True)
-        )
 
-    moved = jax.lax.fori_loop(0, count, one, tuple(jax.tree.leaves(dst.layers)))
+        moved = jax.lax.fori_loop(0, count, one, tuple(jax.tree.leaves(dst.layers)))
+    else:
+        moved = tuple(
+            d.at[_window_index(d.ndim, dst_rows, n)].set(
+                s[_window_index(s.ndim, src_rows, n)].astype(d.dtype), mode="drop"
+            )
+            for d, s, n in zip(jax.tree.leaves(dst.layers), sources, sizes, strict=True)
+        )
     layers = jax.tree.unflatten(jax.tree.structure(dst.layers), moved)
     lengths = dst.lengths.at[dst_rows].set(src.lengths[src_rows], mode="drop")
     return DecodeCache(lengths=lengths, layers=layers)
 
 
-def _copy_logits(dst: Array, src: Array, src_rows, dst_rows) -> Array:
+def _copy_logits(dst: Array, src: Array, src_rows, dst_rows, *, loop: bool = True) -> Array:
     """dst rows ``dst_rows`` <- src rows ``src_rows`` of [rows, V] logits, real entries only (as
-    ``_copy_rows``): a gather and scatter of every padded entry's whole row would cost more."""
+    ``_copy_rows``): on the CPU a gather and scatter of every padded entry's whole row would cost
+    more."""
+    if not loop:
+        return dst.at[dst_rows].set(src[src_rows].astype(dst.dtype), mode="drop")
     count = jnp.sum(dst_rows < dst.shape[0])
 
     def one(m, d):
@@ -167,10 +194,10 @@ def _split_groups(params):
 
 
 def _insert_rows(
-    kv, state: DecodeState, prefix: Prefix, init: dict, window: int | None = None
+    kv, loop, state: DecodeState, prefix: Prefix, init: dict, window: int | None = None
 ) -> DecodeState:
     rows, slots_M = init["rows"], init["slots"]
-    cache = _copy_rows(state.cache, prefix.cache, kv, rows, slots_M, window)
+    cache = _copy_rows(state.cache, prefix.cache, kv, rows, slots_M, window, loop=loop)
     put = lambda x, v: x.at[slots_M].set(v, mode="drop")
     sp = state.sampling
     sampling = SlotSampling(
@@ -181,7 +208,7 @@ def _insert_rows(
     )
     return DecodeState(
         cache=cache,
-        logits=_copy_logits(state.logits, prefix.logits, rows, slots_M),
+        logits=_copy_logits(state.logits, prefix.logits, rows, slots_M, loop=loop),
         count=put(state.count, jnp.zeros_like(slots_M)),
         max_new=put(state.max_new, init["max_new"]),
         active=put(state.active, jnp.ones(slots_M.shape, bool)),
@@ -190,7 +217,7 @@ def _insert_rows(
     )
 
 
-_insert = functools.partial(jax.jit, static_argnums=0, donate_argnums=1)(_insert_rows)
+_insert = functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)(_insert_rows)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -260,27 +287,28 @@ def _generate(
     return state, out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
-def _park(kv, window, store: Prefix, cache: DecodeCache, slots_M, rows_M) -> Prefix:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
+def _park(kv, loop, window, store: Prefix, cache: DecodeCache, slots_M, rows_M) -> Prefix:
     """Store rows ``rows_M`` <- the first ``window`` positions of slots ``slots_M`` (their held
     logits are not kept: a parked state's last sampled token was never fed)."""
-    return store._replace(cache=_copy_rows(store.cache, cache, kv, slots_M, rows_M, window))
+    moved = _copy_rows(store.cache, cache, kv, slots_M, rows_M, window, loop=loop)
+    return store._replace(cache=moved)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-def _store_put(kv, store: Prefix, prefix: Prefix, src_rows, dst_rows) -> Prefix:
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
+def _store_put(kv, loop, store: Prefix, prefix: Prefix, src_rows, dst_rows) -> Prefix:
     """Store rows ``dst_rows`` <- prefix rows ``src_rows``, logits included."""
     return Prefix(
-        logits=_copy_logits(store.logits, prefix.logits, src_rows, dst_rows),
-        cache=_copy_rows(store.cache, prefix.cache, kv, src_rows, dst_rows),
+        logits=_copy_logits(store.logits, prefix.logits, src_rows, dst_rows, loop=loop),
+        cache=_copy_rows(store.cache, prefix.cache, kv, src_rows, dst_rows, loop=loop),
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
-def _insert_stored(kv, window, state: DecodeState, store: Prefix, init: dict) -> DecodeState:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
+def _insert_stored(kv, loop, window, state: DecodeState, store: Prefix, init: dict) -> DecodeState:
     """``_insert`` straight from store rows (a whole prompt kept with its logits): only the first
     ``window`` positions of each row are copied."""
-    return _insert_rows(kv, state, store, init, window)
+    return _insert_rows(kv, loop, state, store, init, window)
 
 
 def _check_padding(name: str, dst, limit: int) -> None:
@@ -298,7 +326,11 @@ class DeviceEngine:
     block weights (made on device at each ``set_params``) instead of scanning the stacked ones.
     XLA CPU copies a layer's weight slice out of the stack on every scan step, which at batch 1
     costs more than the matmuls; the copy doubles the block weights' memory, and compile time
-    grows with depth. None = on where the default backend is the CPU."""
+    grows with depth. None = on where the default backend is the CPU.
+
+    ``row_moves``: how rows move between slots and the store, ``"loop"`` (one row at a time) or
+    ``"scatter"`` (all at once); None = the loop on the CPU, the scatter elsewhere (see
+    ``_copy_rows``)."""
 
     def __init__(
         self,
@@ -311,11 +343,18 @@ class DeviceEngine:
         max_top_k: int = 64,
         max_stop_ids: int = 8,
         unroll: bool | None = None,
+        row_moves: str | None = None,
     ):
         self.cfg = model.cfg
         self.slots, self.max_len, self.cache_rows = slots, max_len, cache_rows
         self.steps, self.max_top_k, self.max_stop_ids = steps, max_top_k, max_stop_ids
         self.unroll = jax.default_backend() == "cpu" if unroll is None else bool(unroll)
+        if row_moves is None:
+            row_moves = "loop" if jax.default_backend() == "cpu" else "scatter"
+        if row_moves not in ("loop", "scatter"):
+            raise ValueError(f"row_moves must be 'loop', 'scatter' or None, got {row_moves!r}")
+        self.row_moves = row_moves
+        self._loop = row_moves == "loop"
         self.graphdef, self.params = nnx.split(model)
         # The engine's layout: weights from elsewhere (a trainer's mesh) are moved into it on
         # device, so every compiled step keeps its input shardings and never recompiles.
@@ -411,7 +450,7 @@ class DeviceEngine:
         self._note("resume", tokens_PT.shape, kv_len)
         return _resume(
             self.graphdef, self.kv, kv_len, self.params, self.groups, self.store.cache,
-            rows_P, jnp.asarray(start_P, jnp.int32), tokens_PT, n_new_P,
+            rows_P, np.asarray(start_P, np.int32), tokens_PT, n_new_P,
         )  # fmt: skip
 
     @property
@@ -425,31 +464,33 @@ class DeviceEngine:
         _check_padding("store_put", dst_rows, self.store.logits.shape[0])
         self._note("store_put", prefix.logits.shape[0], prefix.cache.capacity, len(src_rows))
         self.store = _store_put(
-            self.kv, self.store, prefix, jnp.asarray(src_rows, jnp.int32),
-            jnp.asarray(dst_rows, jnp.int32),
+            self.kv, self._loop, self.store, prefix, np.asarray(src_rows, np.int32),
+            np.asarray(dst_rows, np.int32),
         )  # fmt: skip
 
     def insert(self, prefix: Prefix | None, init: SlotInit, window: int | None = None) -> None:
         """Fills slots from prefix rows, or (``prefix`` None) from store rows, copying their
         first ``window`` positions (a bucket bounding the rows' lengths)."""
         _check_padding("insert", init.slots, self.slots)
+        # Host arrays go to the jitted call as they are: its dispatch moves them to the device
+        # together, cheaper than one transfer each from here.
         arrays = {
-            "rows": jnp.asarray(init.rows, jnp.int32),
-            "slots": jnp.asarray(init.slots, jnp.int32),
-            "max_new": jnp.asarray(init.max_new, jnp.int32),
-            "stop_ids": jnp.asarray(init.stop_ids, jnp.int32),
-            "temperature": jnp.asarray(init.temperature, jnp.float32),
-            "top_k": jnp.asarray(init.top_k, jnp.int32),
-            "top_p": jnp.asarray(init.top_p, jnp.float32),
-            "key": jnp.asarray(init.key, jnp.uint32),
+            "rows": np.asarray(init.rows, np.int32),
+            "slots": np.asarray(init.slots, np.int32),
+            "max_new": np.asarray(init.max_new, np.int32),
+            "stop_ids": np.asarray(init.stop_ids, np.int32),
+            "temperature": np.asarray(init.temperature, np.float32),
+            "top_k": np.asarray(init.top_k, np.int32),
+            "top_p": np.asarray(init.top_p, np.float32),
+            "key": np.asarray(init.key, np.uint32),
         }
         if prefix is None:
             window = self.max_len if window is None else min(window, self.max_len)
             self._note("insert_stored", window, len(init.rows))
-            self.state = _insert_stored(self.kv, window, self.state, self.store, arrays)
+            self.state = _insert_stored(self.kv, self._loop, window, self.state, self.store, arrays)
             return
         self._note("insert", prefix.logits.shape[0], prefix.cache.capacity, len(init.rows))
-        self.state = _insert(self.kv, self.state, prefix, arrays)
+        self.state = _insert(self.kv, self._loop, self.state, prefix, arrays)
 
     def generate(self, occupied_B, kv_len: int | None = None, min_active: int = 0) -> Array:
         """Advances every occupied, active slot by up to ``steps`` tokens; returns [B, steps] ids
@@ -467,8 +508,8 @@ class DeviceEngine:
             self.params,
             self.groups,
             self.state,
-            jnp.asarray(occupied_B),
-            jnp.int32(min_active),
+            np.asarray(occupied_B, bool),
+            np.int32(min_active),
         )
         return out
 
@@ -478,8 +519,8 @@ class DeviceEngine:
         _check_padding("park", rows_M, self.store.logits.shape[0])
         self._note("park", len(slots_M), window)
         self.store = _park(
-            self.kv, window, self.store, self.state.cache,
-            jnp.asarray(slots_M, jnp.int32), jnp.asarray(rows_M, jnp.int32),
+            self.kv, self._loop, window, self.store, self.state.cache,
+            np.asarray(slots_M, np.int32), np.asarray(rows_M, np.int32),
         )  # fmt: skip
 
     # -- memory ----------------------------------------------------------------------------------

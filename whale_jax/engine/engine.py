@@ -82,6 +82,9 @@ class EngineConfig:
     min_kept_tokens: int = 16
     seed: int = 0
     unroll_layers: bool | None = None  # decode over per-layer weights; None = on CPU (DeviceEngine)
+    # How decode-state rows move between slots and the store: "loop" (a row at a time, the
+    # CPU's), "scatter" (all at once, the accelerators'); None = by backend (DeviceEngine).
+    row_moves: str | None = None
     sync_timings: bool = False  # wait for each admission's device work so timings split it out
 
 
@@ -188,6 +191,7 @@ class Engine:
             max_top_k=c.max_top_k,
             max_stop_ids=c.max_stop_ids,
             unroll=c.unroll_layers,
+            row_moves=c.row_moves,
         )
         self._index = PrefixIndex(
             cache_rows, block=c.share_block, partial=c.prefix_cache and self.device.partial_resume
@@ -628,20 +632,19 @@ class Engine:
             self._insert(prefix, ends, slots)
 
     def _insert_stored(self, ready: list[_Plan], slots) -> None:
-        """Requests whose whole prompt is kept with its logits: straight from the store."""
+        """Requests whose whole prompt is kept with its logits: straight from the store, all in
+        one call (an insert always takes ``slots`` entries; these are at most that many)."""
         c = self.config
-        for at in range(0, len(ready), c.prefill_batch):
-            group = ready[at : at + c.prefill_batch]
-            window = _bucket(max(len(p.job.prompt) for p in group), c.min_kv_bucket, c.max_len)
-            pairs = []
-            for p in group:
-                assert p.start is not None
-                pairs.append((p.start.row, p.job))
-            self._insert(None, pairs, slots, window=window)
-            self.stats["full_hits"] += len(group)
-            for p in group:
-                assert p.start is not None
-                self._index.unpin(p.start)
+        window = _bucket(max(len(p.job.prompt) for p in ready), c.min_kv_bucket, c.max_len)
+        pairs = []
+        for p in ready:
+            assert p.start is not None
+            pairs.append((p.start.row, p.job))
+        self._insert(None, pairs, slots, window=window)
+        self.stats["full_hits"] += len(ready)
+        for p in ready:
+            assert p.start is not None
+            self._index.unpin(p.start)
 
     def _insert(self, prefix: Prefix | None, pairs: list[tuple[int, _Job]], slots, *,
                 window: int | None = None) -> None:  # fmt: skip
