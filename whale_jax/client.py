@@ -11,7 +11,10 @@ delta) and appended to the sequence so far, and the engine continues from the pa
 of the previous call instead of re-prefilling. Any other call starts the session's sequence anew,
 with the ends of its system message and of the messages before the last one marked as snapshot
 points: the engine keeps the state there, so prompts that share them (a harness's system prompt
-and few-shot turns, votes over one conversation) are not prefilled again.
+and few-shot turns, votes over one conversation) are not prefilled again. The ids of a rendered
+conversation (and of the heads its boundaries come from) are remembered for the next calls with
+the same messages (a bounded LRU): n samples and k votes of one prompt render and tokenize it
+once, not once per call.
 Every result carries its exact prompt and completion ids; training rows and their loss masks are
 built from the records alone (``whale_jax.train.rows``), not from state kept here.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import threading
 from typing import Any
 
@@ -30,6 +34,17 @@ from whale_jax.engine.requests import Request, Sampling
 from whale_jax.models.transformer import Transformer
 
 _PROBE = "\x00probe\x00"  # stands for "the turn after these messages" when finding boundaries
+# Rendered prompts remembered per client: the format's template sees only the messages and the
+# options (no date, no randomness), so the same messages always give the same ids.
+_RENDERED_ENTRIES = 1024
+
+
+def _messages_key(messages, *options) -> str | None:
+    """An exact key for messages and render options; None for values JSON cannot show exactly."""
+    try:
+        return json.dumps([messages, options], sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return None
 
 
 class EngineClient:
@@ -69,6 +84,8 @@ class EngineClient:
         self._lock = threading.Lock()
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._max_sessions = max_sessions
+        self._rendered: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+        self.render_stats = collections.Counter()  # rendered prompts: "hits" / "misses"
 
     # -- tokenizer helpers -------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -101,10 +118,7 @@ class EngineClient:
             else:
                 if not messages:
                     raise ValueError("no messages")
-                text = self.format.render(messages, enable_thinking=s.enable_thinking)
-                prompt = self.encode(text)
-                if self.engine.config.prefix_cache:  # otherwise the engine keeps no snapshots
-                    snapshots = self._boundaries(messages, text, prompt, s.enable_thinking)
+                prompt, snapshots = self._render(messages, s.enable_thinking)
         except Exception as e:  # a template that cannot render these messages fails this call only
             return ChatResult(text="", raw_text="", finish_reason="error", error=f"render: {e}")
         if request.max_prompt_tokens is not None and len(prompt) > request.max_prompt_tokens:
@@ -174,8 +188,59 @@ class EngineClient:
             weights_version=done.weights_version,
         )
 
+    def _remembered(self, key: str | None, make):
+        """``make()``, remembered under ``key`` (None: not remembered)."""
+        if key is not None:
+            with self._lock:
+                if key in self._rendered:  # (a remembered None: no boundary there)
+                    self._rendered.move_to_end(key)
+                    self.render_stats["hits"] += 1
+                    return self._rendered[key]
+        value = make()
+        if key is not None:
+            with self._lock:
+                self.render_stats["misses"] += 1
+                self._rendered[key] = value
+                while len(self._rendered) > _RENDERED_ENTRIES:
+                    self._rendered.popitem(last=False)
+        return value
+
+    def _render(self, messages, enable_thinking) -> tuple[list[int], tuple[int, ...]]:
+        """A new sequence's prompt ids and snapshot points (remembered: see the module doc)."""
+        cache = self.engine.config.prefix_cache  # off: the engine keeps no snapshots
+
+        def make():
+            text = self.format.render(messages, enable_thinking=enable_thinking)
+            prompt = tuple(self.encode(text))
+            points = self._boundaries(messages, text, prompt, enable_thinking) if cache else ()
+            return prompt, points
+
+        prompt, points = self._remembered(_messages_key(messages, enable_thinking, cache), make)
+        return list(prompt), points
+
+    def _head(self, messages, enable_thinking) -> tuple[str, tuple[int, ...]] | None:
+        """The text and ids of ``messages`` up to the end of their last turn, as the template
+        renders them with another turn after them; None where there is no such cut."""
+        try:
+            probed = self.format.render(
+                [*messages, {"role": "user", "content": _PROBE}],
+                add_generation_prompt=False,
+                enable_thinking=enable_thinking,
+            )
+        except Exception:  # a template may refuse a partial conversation: no boundary there
+            return None
+        head = probed[: max(probed.find(_PROBE), 0)]
+        eot = self.format.end_of_turn
+        cut = head.rfind(eot)
+        if cut < 0:
+            return None
+        cut += len(eot)
+        while cut < len(head) and head[cut] == "\n":
+            cut += 1
+        return head[:cut], tuple(self.encode(head[:cut]))
+
     def _boundaries(
-        self, messages, text: str, prompt: list[int], enable_thinking
+        self, messages, text: str, prompt: tuple[int, ...], enable_thinking
     ) -> tuple[int, ...]:
         """Token counts of the prompt that end the system message and the messages before the
         last one: where the engine may keep a state that other prompts of this harness start with
@@ -189,27 +254,21 @@ class EngineClient:
         cuts = {len(messages) - 1}
         if messages and messages[0].get("role") == "system":
             cuts.add(1)
-        eot, points = self.format.end_of_turn, []
+        points = []
         for k in sorted(c for c in cuts if 0 < c < len(messages)):
-            try:
-                probed = self.format.render(
-                    [*messages[:k], {"role": "user", "content": _PROBE}],
-                    add_generation_prompt=False,
-                    enable_thinking=enable_thinking,
-                )
-            except Exception:  # a template may refuse a partial conversation: no boundary there
+            head = messages[:k]
+            found = self._remembered(
+                _messages_key(head, enable_thinking, "head"),
+                lambda head=head: self._head(head, enable_thinking),
+            )
+            if found is None:
                 continue
-            head = probed[: max(probed.find(_PROBE), 0)]
-            cut = head.rfind(eot)
-            if cut < 0:
-                continue
-            cut += len(eot)
-            while cut < len(head) and head[cut] == "\n":
-                cut += 1
-            if not text.startswith(head[:cut]):
-                continue
-            ids = self.encode(head[:cut])
-            if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids:
+            head_text, ids = found
+            if (
+                text.startswith(head_text)
+                and 0 < len(ids) < len(prompt)
+                and tuple(prompt[: len(ids)]) == ids
+            ):
                 points.append(len(ids))
         return tuple(points)
 

@@ -1,5 +1,6 @@
 """EngineClient: the harness's ChatBackend over the engine, with token-level sessions."""
 
+import collections
 import concurrent.futures
 
 import pytest
@@ -174,3 +175,25 @@ def test_system_prompt_and_earlier_turns_are_kept_for_other_prompts(client, qwen
     assert (
         after["computed_tokens"] - before["computed_tokens"] == len(second.prompt_ids) - shots_end
     )
+
+
+def test_the_same_messages_are_rendered_once(client, qwen_tokenizer):
+    """n samples or k votes of one conversation render and tokenize it once: the ids (and the
+    boundaries) are remembered per messages and options, and equal a fresh rendering."""
+    fmt = qwen3_5_format()
+    system = {"role": "system", "content": "Only this test's system prompt."}  # nothing kept yet
+    msgs = [system, {"role": "user", "content": "7 + 6?"}]
+    before = collections.Counter(client.render_stats)
+    first = client.chat(ask(msgs, session="r1"))
+    again = client.chat(ask(msgs, session="r2", sample=1))
+    plain = client.chat(ask(msgs, session="r3", enable_thinking=False))
+    assert first.prompt_ids == again.prompt_ids == tuple(qwen_tokenizer.encode(fmt.render(msgs)))
+    assert plain.prompt_ids == tuple(qwen_tokenizer.encode(fmt.render(msgs, enable_thinking=False)))
+    assert plain.prompt_ids != first.prompt_ids  # the options are part of the key
+    # first: the prompt and the system head rendered; again: remembered; plain: both anew.
+    delta = collections.Counter(client.render_stats)
+    delta.subtract(before)
+    assert (delta["misses"], delta["hits"]) == (4, 1)
+    system_end = len(qwen_tokenizer.encode(fmt.render([system], add_generation_prompt=False)))
+    assert again.prompt_ids[:system_end] == first.prompt_ids[:system_end]
+    assert client._render(msgs, None)[1] == (system_end,)

@@ -333,7 +333,7 @@ class Engine:
     # -- validation ------------------------------------------------------------------------------
     def _validate(self, request: Request, future: Future) -> _Job:
         c, s = self.config, request.sampling
-        prompt = tuple(int(t) for t in request.prompt_ids)
+        prompt = tuple(map(int, request.prompt_ids))
         if not prompt:
             raise RequestError("empty prompt")
         if s.max_new_tokens <= 0:
