@@ -105,3 +105,8 @@ def test_padding_before_a_real_entry_is_refused(tiny_llama):
                            key=[[0, 0]] * 2)  # fmt: skip
     with pytest.raises(ValueError, match="insert: padding entries"):
         engine.insert(None, init, 16)
+
+
+def test_an_unknown_row_move_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="row_moves must be 'loop', 'scatter' or None"):
+        device.DeviceEngine(tiny_llama.model, slots=2, max_len=32, cache_rows=2, row_moves="gather")
