@@ -9,6 +9,15 @@ REPO = Path(__file__).parent.parent
 
 # Tests run on the host CPU; keep XLA from grabbing both cores per test-process thread pool.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Run on an accelerator instead (JAX_PLATFORMS=cuda or tpu), the tolerances below still hold
+# only for fp32 products computed in fp32, which a GPU (TF32) or TPU (bf16 passes) does not do
+# at default precision: ask for it. The CPU computes fp32 products in fp32 either way.
+if os.environ["JAX_PLATFORMS"] != "cpu":
+    import jax  # (a pytest plugin may have imported it before this file: set it in its config)
+
+    jax.config.update(
+        "jax_default_matmul_precision", os.environ.get("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+    )
 
 
 @pytest.fixture(scope="session")
