@@ -13,7 +13,7 @@ with the ends of its system message and of the messages before the last one mark
 points: the engine keeps the state there, so prompts that share them (a harness's system prompt
 and few-shot turns, votes over one conversation) are not prefilled again. The ids of a rendered
 conversation (and of the heads its boundaries come from) are remembered for the next calls with
-the same messages (a bounded LRU): n samples and k votes of one prompt render and tokenize it
+the same messages (an LRU bounded in bytes): n samples and k votes of one prompt render and tokenize it
 once, not once per call.
 Every result carries its exact prompt and completion ids; training rows and their loss masks are
 built from the records alone (``whale_jax.train.rows``), not from state kept here.
@@ -21,6 +21,7 @@ built from the records alone (``whale_jax.train.rows``), not from state kept her
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import json
@@ -35,8 +36,10 @@ from whale_jax.models.transformer import Transformer
 
 _PROBE = "\x00probe\x00"  # stands for "the turn after these messages" when finding boundaries
 # Rendered prompts remembered per client: the format's template sees only the messages and the
-# options (no date, no randomness), so the same messages always give the same ids.
-_RENDERED_ENTRIES = 1024
+# options (no date, no randomness), so the same messages always give the same ids. Bounded by
+# bytes (keys, texts and ids at 4 bytes a token), least recently used first out: long prompts
+# (search passages, long sessions) must not grow it without bound.
+_RENDERED_BYTES = 64 << 20
 
 
 def _messages_key(messages, *options) -> str | None:
@@ -85,6 +88,7 @@ class EngineClient:
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._max_sessions = max_sessions
         self._rendered: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+        self._rendered_bytes = 0
         self.render_stats = collections.Counter()  # rendered prompts: "hits" / "misses"
 
     # -- tokenizer helpers -------------------------------------------------------------------------
@@ -189,20 +193,28 @@ class EngineClient:
         )
 
     def _remembered(self, key: str | None, make):
-        """``make()``, remembered under ``key`` (None: not remembered)."""
+        """``make()``, remembered under ``key`` (None: not remembered). A value is None or a
+        tuple of strings, tuples of ints and ``array`` ids; its size counts towards the bound."""
         if key is not None:
             with self._lock:
                 if key in self._rendered:  # (a remembered None: no boundary there)
                     self._rendered.move_to_end(key)
                     self.render_stats["hits"] += 1
-                    return self._rendered[key]
+                    return self._rendered[key][0]
         value = make()
         if key is not None:
+            size = len(key) + sum(
+                4 * len(x) if isinstance(x, array.array | tuple) else len(x)
+                for x in (value or ())
+            )  # fmt: skip
             with self._lock:
                 self.render_stats["misses"] += 1
-                self._rendered[key] = value
-                while len(self._rendered) > _RENDERED_ENTRIES:
-                    self._rendered.popitem(last=False)
+                if key not in self._rendered and size <= _RENDERED_BYTES:
+                    self._rendered[key] = (value, size)
+                    self._rendered_bytes += size
+                while self._rendered_bytes > _RENDERED_BYTES:
+                    _, (_, dropped) = self._rendered.popitem(last=False)
+                    self._rendered_bytes -= dropped
         return value
 
     def _render(self, messages, enable_thinking) -> tuple[list[int], tuple[int, ...]]:
@@ -211,14 +223,14 @@ class EngineClient:
 
         def make():
             text = self.format.render(messages, enable_thinking=enable_thinking)
-            prompt = tuple(self.encode(text))
+            prompt = self.encode(text)
             points = self._boundaries(messages, text, prompt, enable_thinking) if cache else ()
-            return prompt, points
+            return array.array("i", prompt), points
 
         prompt, points = self._remembered(_messages_key(messages, enable_thinking, cache), make)
-        return list(prompt), points
+        return prompt.tolist(), points
 
-    def _head(self, messages, enable_thinking) -> tuple[str, tuple[int, ...]] | None:
+    def _head(self, messages, enable_thinking) -> tuple[str, array.array] | None:
         """The text and ids of ``messages`` up to the end of their last turn, as the template
         renders them with another turn after them; None where there is no such cut."""
         try:
@@ -237,10 +249,10 @@ class EngineClient:
         cut += len(eot)
         while cut < len(head) and head[cut] == "\n":
             cut += 1
-        return head[:cut], tuple(self.encode(head[:cut]))
+        return head[:cut], array.array("i", self.encode(head[:cut]))
 
     def _boundaries(
-        self, messages, text: str, prompt: tuple[int, ...], enable_thinking
+        self, messages, text: str, prompt: list[int], enable_thinking
     ) -> tuple[int, ...]:
         """Token counts of the prompt that end the system message and the messages before the
         last one: where the engine may keep a state that other prompts of this harness start with
@@ -267,7 +279,7 @@ class EngineClient:
             if (
                 text.startswith(head_text)
                 and 0 < len(ids) < len(prompt)
-                and tuple(prompt[: len(ids)]) == ids
+                and prompt[: len(ids)] == ids.tolist()
             ):
                 points.append(len(ids))
         return tuple(points)

@@ -197,3 +197,28 @@ def test_the_same_messages_are_rendered_once(client, qwen_tokenizer):
     system_end = len(qwen_tokenizer.encode(fmt.render([system], add_generation_prompt=False)))
     assert again.prompt_ids[:system_end] == first.prompt_ids[:system_end]
     assert client._render(msgs, None)[1] == (system_end,)
+
+
+def test_remembered_renders_stay_within_their_byte_bound(client, qwen_tokenizer, monkeypatch):
+    """Long prompts must not grow the memo without bound: least recently used entries go first
+    once keys, texts and ids (4 bytes a token) pass the bound, and a dropped entry renders anew
+    to the same ids."""
+    import whale_jax.client as client_module
+
+    fmt = qwen3_5_format()
+    bound = 4000
+    monkeypatch.setattr(client_module, "_RENDERED_BYTES", bound)
+    conversations = [
+        [{"role": "system", "content": f"Bound test {i}. " + "word " * 40},
+         {"role": "user", "content": f"{i} + {i}?"}]
+        for i in range(6)
+    ]  # fmt: skip
+    for msgs in conversations:
+        ids, _ = client._render(msgs, None)
+        assert ids == qwen_tokenizer.encode(fmt.render(msgs))
+        assert 0 < client._rendered_bytes <= bound
+        assert client._rendered_bytes == sum(size for _, size in client._rendered.values())
+    before = client.render_stats["misses"]
+    ids, _ = client._render(conversations[0], None)  # long since dropped: rendered again
+    assert client.render_stats["misses"] > before
+    assert ids == qwen_tokenizer.encode(fmt.render(conversations[0]))
