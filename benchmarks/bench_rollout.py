@@ -1,5 +1,6 @@
 """Rollouts end to end at WHALE's shape: the executor (sandboxed harness workers, budgets,
-records) and the engine (continuous batching, prefix cache) together, SmolLM2-135M (on the CPU; on a GPU with JAX_PLATFORMS=cuda).
+records) and the engine (continuous batching, prefix cache) together, SmolLM2-135M (on the CPU;
+on a GPU with JAX_PLATFORMS=cuda).
 
 Workloads (``--tasks`` tasks x ``--samples`` samples each):
 - ``h0``: the arith seed harness, one call per episode.
