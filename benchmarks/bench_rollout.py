@@ -202,6 +202,7 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
         "engine_busy_share_of_wall": round(sum(engine.timings.values()) / wall, 3),
         "timings_s": {k: round(v, 2) for k, v in engine.timings.items()},
         "compile_counts": engine.compile_counts,
+        "client_renders": dict(client.render_stats),  # rendered prompts remembered / made
         "mean_reward": round(sum(r.reward for r in records) / len(records), 4),
         "completions": [[tuple(c.completion_ids) for c in r.calls] for r in records],
     }
