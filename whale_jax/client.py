@@ -36,9 +36,10 @@ from whale_jax.models.transformer import Transformer
 
 _PROBE = "\x00probe\x00"  # stands for "the turn after these messages" when finding boundaries
 # Rendered prompts remembered per client: the format's template sees only the messages and the
-# options (no date, no randomness), so the same messages always give the same ids. Bounded by
-# bytes (keys, texts and ids at 4 bytes a token), least recently used first out: long prompts
-# (search passages, long sessions) must not grow it without bound.
+# options (no date, no randomness), so the same messages always give the same ids. Bounded at
+# about this many bytes (a character of a key or text counted as one, a token of ids as four),
+# least recently used first out: long prompts (search passages, long sessions) must not grow it
+# without bound.
 _RENDERED_BYTES = 64 << 20
 
 
