@@ -469,3 +469,24 @@ def test_row_moves_by_scatter_serve_what_the_loop_does(request, fixture):
     )
     outs = [o for o, _ in runs["scatter"][0][2]]
     assert_greedy(model, runs["scatter"][2], outs)
+
+
+def test_whole_prompt_hits_admitted_together_go_in_one_insert(tiny_llama, monkeypatch):
+    """Five repeats of a kept prompt admitted together fill their slots in one call from the
+    store, whatever prefill_batch (2 here), with the tokens of the full forward."""
+    model, cfg, _ = tiny_llama
+    engine = Engine(model, EngineConfig(slots=8, max_len=64, steps=4, prefill_batch=2,
+                                        cache_rows=4), eos_ids=())  # fmt: skip
+    prompt = prompts_for(cfg.vocab_size, lengths=(20,), seed=53)[0]
+    engine.generate([Request(prompt_ids=prompt, sampling=greedy(1))])
+    calls = []
+    insert = engine.device.insert
+    monkeypatch.setattr(engine.device, "insert",
+                        lambda prefix, init, window=None: (calls.append(prefix is None),
+                                                           insert(prefix, init, window))[1])  # fmt: skip
+    outs = engine.generate([Request(prompt_ids=prompt, sampling=greedy(3), identity=(i,))
+                            for i in range(5)])  # fmt: skip
+    assert calls == [True]
+    assert [o.reused_tokens for o in outs] == [len(prompt)] * 5
+    assert_greedy(model, [prompt] * 5, [o.token_ids for o in outs])
+    engine.close()
