@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
-import io
 import os
 import platform
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -41,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_model import compile_timer, save_results  # noqa: E402
+from benchmarks.thread_profile import ThreadSampler  # noqa: E402
 
 VOTE = """
 SYSTEM_PROMPT = "You are a calculator. Answer with only the number."
@@ -142,35 +140,6 @@ def workload_shape(records) -> tuple[int, int]:
     return median_prompt, max(1, round(sum(len(c.completion_ids) for c in calls) / len(calls)))
 
 
-def profile_engine_thread(engine) -> cProfile.Profile:
-    """A profile of the engine thread's CPU time (``time.thread_time``): set up before the
-    engine's first request starts its thread. Beside the thread's busy wall time it shows how
-    much of that the thread spent running, not waiting (for the GIL, for the device)."""
-    profile = cProfile.Profile(time.thread_time)
-    loop = engine._loop
-
-    def profiled_loop():
-        profile.enable()
-        try:
-            loop()
-        finally:
-            profile.disable()
-
-    engine._loop = profiled_loop  # the thread's target is looked up when it starts
-    return profile
-
-
-def write_profile(profile: cProfile.Profile, path: Path, title: str) -> None:
-    out = io.StringIO()
-    stats = pstats.Stats(profile, stream=out)
-    cpu = stats.total_tt
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats(30)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{title}; its CPU time {cpu:.2f} s\n{out.getvalue()}")
-    print(f"  engine thread profile: {path} (CPU {cpu:.2f} s)", flush=True)
-
-
 def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     from harness.executor import Executor, ExecutorConfig
     from whale_jax.client import EngineClient
@@ -196,18 +165,27 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     compiling()  # the bare engine's own compiles are not the timed run's
     client = EngineClient(model, tokenizer, **options)
     engine = client.engine
-    profile = profile_engine_thread(engine) if args.profile else None
+    sampler = None
+    if args.profile:
+        engine._ensure_thread()  # idle until the first request: sampled from the start
+        sampler = ThreadSampler(engine._thread)
+        sampler.start()
     with Executor(client, config) as ex:
         t0 = time.perf_counter()
         records = ex.run(source, domain, tasks, samples=args.samples)
         wall = time.perf_counter() - t0
+    if sampler is not None:
+        sampler.stop()  # before close: the thread's CPU clock ends with it
     compile_s = compiling()  # shapes the warm-up did not meet, compiled inside the timed run
     client.close()
-    if profile is not None:
+    if sampler is not None:
         busy = sum(engine.timings.values())
         path = Path(args.profile) / f"{name}_{'on' if cache else 'off'}.txt"
-        write_profile(profile, path, f"{name} cache={'on' if cache else 'off'}: engine thread "
-                      f"busy {busy:.2f} s of {wall:.2f} s wall")  # fmt: skip
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{name} cache={'on' if cache else 'off'}: engine thread busy {busy:.2f} s "
+                        f"of {wall:.2f} s wall; {sampler.report()}\n")  # fmt: skip
+        cpu = "?" if sampler.cpu_s is None else f"{sampler.cpu_s:.2f}"
+        print(f"  engine thread profile: {path} (busy {busy:.2f} s, CPU {cpu} s)", flush=True)
     calls = [c for r in records for c in r.calls]
     prompts = [tuple(c.prompt_ids) for c in calls]
     sampled = sum(len(c.completion_ids) for c in calls)
@@ -293,12 +271,17 @@ def main(argv=None) -> int:
     ap.add_argument("--row-moves", choices=["loop", "scatter"], default=None,
                     help="EngineConfig.row_moves (default: by backend)")  # fmt: skip
     ap.add_argument("--profile", default="",
-                    help="folder for a profile of the engine thread's CPU time per timed run")  # fmt: skip
+                    help="folder for a sampled profile of the engine thread per timed run")  # fmt: skip
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run: how long a thread waiting for the GIL "
+                    "waits before asking for it (Python's default 0.005 s)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="8 tasks x 8 samples, h0 and vote")
     ap.add_argument("--out", default="benchmarks/results/rollout.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.tasks, args.session_tasks, args.workloads = 8, 4, "h0,vote"
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     import jax
 
     from whale_jax.loading import load_model
