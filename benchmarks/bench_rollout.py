@@ -145,7 +145,8 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     from whale_jax.client import EngineClient
 
     source, domain, make_tasks = spec
-    options = dict(slots=args.slots, max_len=args.max_len, steps=args.steps, prefill_batch=16,
+    options = dict(slots=args.slots, max_len=args.max_len, steps=args.steps,
+                   prefill_batch=args.prefill_batch,
                    cache_rows=args.cache_rows, prefix_cache=cache,
                    row_moves=args.row_moves)  # fmt: skip
     config = ExecutorConfig(concurrency=args.concurrency)
@@ -264,6 +265,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prefill-batch", type=int, default=16,
+                    help="EngineConfig.prefill_batch: most prompts one prefill or resume call takes")  # fmt: skip
     ap.add_argument("--cache-rows", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=256, help="episodes in flight")
     ap.add_argument("--seed", type=int, default=0)

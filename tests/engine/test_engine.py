@@ -432,3 +432,37 @@ def test_generate_returns_early_for_waiting_requests(tiny_llama):
     assert [len(o.token_ids) for o in outs] == list(budgets)
     assert_greedy(model, prompts, [o.token_ids for o in outs])
     engine.close()
+
+
+def test_kv_buckets_per_octave_sizes():
+    from whale_jax.engine.engine import _bucket
+
+    sizes = [1, 64, 65, 96, 97, 128, 129, 192, 193, 300, 385, 600]
+    assert [_bucket(n, 64, 512) for n in sizes] == [64, 64, 128, 128, 128, 128, 256, 256, 256,
+                                                    512, 512, 512]  # fmt: skip
+    assert [_bucket(n, 64, 512, 2) for n in sizes] == [64, 64, 96, 96, 128, 128, 192, 192, 256,
+                                                       384, 512, 512]  # fmt: skip
+    assert [_bucket(n, 64, 1024, 4) for n in (65, 81, 97, 113, 129, 600)] == [
+        80, 96, 112, 128, 160, 640
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_5", "tiny_llama"])
+def test_decode_reads_a_halfway_kv_window(request, fixture):
+    """With two KV windows per doubling, a decode whose longest slot needs 33..48 positions reads
+    48 of them, not 64, and still decodes the full forward's greedy tokens; with one per doubling
+    it reads 64."""
+    model, cfg, _ = request.getfixturevalue(fixture)
+    prompts = prompts_for(cfg.vocab_size, lengths=(30, 9, 12), seed=21)
+    windows = {}
+    for per_octave in (1, 2):
+        engine = Engine(model, EngineConfig(slots=3, max_len=64, steps=4, min_kv_bucket=32,
+                                            kv_buckets_per_octave=per_octave), eos_ids=())  # fmt: skip
+        outs = engine.generate([Request(prompt_ids=p, sampling=greedy(8)) for p in prompts])
+        windows[per_octave] = {kv for _, kv in engine.device.signatures["generate"]}
+        engine.close()
+        assert_greedy(model, prompts, [o.token_ids for o in outs])
+    # 30 + 8 new + 4 steps: the longest slot needs up to 42 positions.
+    assert windows == {1: {64}, 2: {48}}
+    with pytest.raises(ValueError, match="kv_buckets_per_octave must be in 1..min_kv_bucket"):
+        Engine(model, EngineConfig(slots=1, max_len=64, kv_buckets_per_octave=0), eos_ids=())

@@ -64,6 +64,11 @@ class EngineConfig:
     # smallest new-token bucket of a resume (a vote's or a sample's few tokens past a kept prefix)
     min_resume_bucket: int = 4
     min_kv_bucket: int = 64  # smallest KV window a decode call reads
+    # Decode KV windows per doubling: 1 = powers of two (64, 128, 256, ...); 2 adds the halfway
+    # sizes (64, 96, 128, 192, 256, ...). A decode step reads every slot's KV up to the window
+    # the longest slot needs, so the padding it reads recurs every step (SmolLM2, 64 slots, on
+    # a CPU: 200 ms a step at 128, 286 at 256); each size is one more decode shape to compile.
+    kv_buckets_per_octave: int = 2
     max_top_k: int = 64  # width of the exact top-k path (wider top-k falls back to a full sort)
     max_stop_ids: int = 8
     # Decode states kept on device (sessions, prompt prefixes, whole prompts): a row count, or a
@@ -130,11 +135,16 @@ class _Segment:
         return any(len(p.job.prompt) > len(self.key) for p in self.plans)
 
 
-def _bucket(n: int, lo: int, hi: int) -> int:
+def _bucket(n: int, lo: int, hi: int, per_octave: int = 1) -> int:
+    """The smallest size >= n (at most ``hi``) among ``lo * 2**k`` and, with ``per_octave`` p,
+    the p - 1 evenly spaced sizes inside each doubling (p = 2: 64, 96, 128, 192, ...)."""
     b = lo
-    while b < n:
+    while True:
+        for j in range(per_octave):
+            size = b + b * j // per_octave
+            if size >= n:
+                return min(size, hi)
         b *= 2
-    return min(b, hi)
 
 
 def _pow2(n: int) -> int:
@@ -182,6 +192,9 @@ class Engine:
             cache_rows = c.slots if c.cache_rows is None else c.cache_rows
         if cache_rows < 0:
             raise ValueError(f"cache_rows must be >= 0, got {cache_rows}")
+        if not 1 <= c.kv_buckets_per_octave <= c.min_kv_bucket:
+            raise ValueError(f"kv_buckets_per_octave must be in 1..min_kv_bucket "
+                             f"({c.min_kv_bucket}), got {c.kv_buckets_per_octave}")  # fmt: skip
         self.device = DeviceEngine(
             model,
             slots=c.slots,
@@ -681,7 +694,7 @@ class Engine:
         occupied = np.array([j is not None for j in self._running])
         c = self.config
         longest = max(len(j.prompt) + j.device_tokens for j in self._running if j is not None)
-        kv_len = _bucket(longest + c.steps, c.min_kv_bucket, c.max_len)
+        kv_len = _bucket(longest + c.steps, c.min_kv_bucket, c.max_len, c.kv_buckets_per_octave)
         # Requests are waiting: come back as soon as enough slots are free for them (or a
         # fraction of the slots), instead of decoding the rest of the steps with slots idle.
         waiting = 0 if self._pending_params is not None else len(self._queue)
