@@ -258,7 +258,7 @@ def time_cases(cases: dict[str, Callable[[], object]], repeats: int, warm=None):
 # machine
 
 
-def _git_state() -> dict:
+def git_state() -> dict:
     """The commit benchmarked, and which library files differ from it."""
     import subprocess
 
@@ -276,19 +276,22 @@ def _git_state() -> dict:
         return {"git_commit": None, "git_modified": None}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (speed ratios against a peer differ between CPU makes)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict:
     import jax
     import torch
     import transformers
 
-    cpu_model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     try:
         import flax
 
@@ -297,7 +300,7 @@ def machine_info() -> dict:
         flax_version = None
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpu_model": cpu_model,
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "platform": platform.platform(),
@@ -311,7 +314,7 @@ def machine_info() -> dict:
         "numpy": np.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "host_devices": jax.device_count(),
-        **_git_state(),
+        **git_state(),
         "load_avg_start": [round(x, 2) for x in os.getloadavg()],
     }
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_model import compile_timer, save_results  # noqa: E402
+from benchmarks.bench_model import compile_timer, cpu_model, git_state, save_results  # noqa: E402
 from benchmarks.thread_profile import ThreadSampler  # noqa: E402
 
 VOTE = """
@@ -299,9 +299,11 @@ def main(argv=None) -> int:
         "machine": {
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
+            "cpu_model": cpu_model(),
             "platform": platform.platform(),
             "jax_device": jax.devices()[0].device_kind,
             "jax": jax.__version__,
+            **git_state(),
         },  # fmt: skip
         "args": {k: v for k, v in vars(args).items() if k != "out"},
         "runs": [],
