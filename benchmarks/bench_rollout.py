@@ -148,7 +148,8 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     options = dict(slots=args.slots, max_len=args.max_len, steps=args.steps,
                    prefill_batch=args.prefill_batch,
                    cache_rows=args.cache_rows, prefix_cache=cache,
-                   row_moves=args.row_moves, unroll_layers=args.unroll_layers)  # fmt: skip
+                   row_moves=args.row_moves, unroll_layers=args.unroll_layers,
+                   sync_timings=args.sync_timings)  # fmt: skip
     config = ExecutorConfig(concurrency=args.concurrency)
     tasks = make_tasks(args.session_tasks if name == "session" else args.tasks, args.seed)
     warm_tasks = make_tasks(args.warm_tasks, 1000 + args.seed) if args.warm_tasks else tasks
@@ -276,6 +277,10 @@ def main(argv=None) -> int:
     ap.add_argument("--unroll-layers", type=int, choices=[0, 1], default=None,
                     help="EngineConfig.unroll_layers: 1 = layers as straight-line code, 0 = "
                     "scanned (default: by backend, unrolled on the CPU)")  # fmt: skip
+    ap.add_argument("--sync-timings", action="store_true",
+                    help="EngineConfig.sync_timings: admission waits for its device work, so "
+                    "timings_s splits admission (prefill, resume, insert) from decode; off by "
+                    "default (it serialises host and device work)")  # fmt: skip
     ap.add_argument("--profile", default="",
                     help="folder for a sampled profile of the engine thread per timed run")  # fmt: skip
     ap.add_argument("--switch-interval", type=float, default=None,

@@ -448,6 +448,33 @@ def test_kv_buckets_per_octave_sizes():
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_5", "tiny_llama"])
+def test_prefill_and_resume_pad_to_halfway_lengths(request, fixture):
+    """With two new-token buckets per doubling above ``min_bucket`` (8), a 10-token prompt
+    prefills padded to 12, not 16, and a turn that adds 10 tokens to a parked state resumes
+    padded to 12; both decode the full forward's greedy tokens. One per doubling pads to 16."""
+    model, cfg, _ = request.getfixturevalue(fixture)
+    prompt, delta = prompts_for(cfg.vocab_size, lengths=(10, 9), seed=23)
+    shapes = {}
+    for per_octave in (1, 2):
+        engine = Engine(model, EngineConfig(slots=2, max_len=64, steps=4, min_bucket=8,
+                                            min_resume_bucket=4, min_kv_bucket=32,
+                                            min_kept_tokens=0,
+                                            length_buckets_per_octave=per_octave),
+                        eos_ids=())  # fmt: skip
+        first = engine.generate([Request(prompt_ids=prompt, sampling=greedy(8), park="t")])[0]
+        follow = prompt + first.token_ids + delta  # 1 unparked reply token + 9 new
+        second = engine.generate([Request(prompt_ids=follow, sampling=greedy(6))])[0]
+        assert second.reused_tokens == len(follow) - 10
+        sig = engine.device.signatures
+        shapes[per_octave] = ({t for (t,) in sig["prefill"]}, {t for t, _ in sig["resume"]})
+        engine.close()
+        assert_greedy(model, [prompt, follow], [first.token_ids, second.token_ids])
+    assert shapes == {1: ({(1, 16)}, {(1, 16)}), 2: ({(1, 12)}, {(1, 12)})}
+    with pytest.raises(ValueError, match="length_buckets_per_octave must be in 1..min_bucket"):
+        Engine(model, EngineConfig(slots=1, max_len=64, length_buckets_per_octave=17), eos_ids=())
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_5", "tiny_llama"])
 def test_decode_reads_a_halfway_kv_window(request, fixture):
     """With two KV windows per doubling, a decode whose longest slot needs 33..48 positions reads
     48 of them, not 64, and still decodes the full forward's greedy tokens; with one per doubling

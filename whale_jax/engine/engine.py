@@ -64,11 +64,16 @@ class EngineConfig:
     # smallest new-token bucket of a resume (a vote's or a sample's few tokens past a kept prefix)
     min_resume_bucket: int = 4
     min_kv_bucket: int = 64  # smallest KV window a decode call reads
-    # Decode KV windows per doubling: 1 = powers of two (64, 128, 256, ...); 2 adds the halfway
-    # sizes (64, 96, 128, 192, 256, ...). A decode step reads every slot's KV up to the window
-    # the longest slot needs, so the padding it reads recurs every step (SmolLM2, 64 slots, on
-    # a CPU: 200 ms a step at 128, 286 at 256); each size is one more decode shape to compile.
+    # KV windows (decode and resume) per doubling: 1 = powers of two (64, 128, 256, ...); 2 adds
+    # the halfway sizes (64, 96, 128, 192, 256, ...). A decode step reads every slot's KV up to
+    # the window the longest slot needs, so the padding it reads recurs every step (SmolLM2, 64
+    # slots, on a CPU: 200 ms a step at 128, 286 at 256); each size is one more shape to compile.
     kv_buckets_per_octave: int = 2
+    # New-token buckets of a prefill or resume per doubling, above ``min_bucket`` (below it:
+    # powers of two from ``min_resume_bucket``): 2 = 16, 24, 32, 48, 64, 96, ... Every padded
+    # position costs what a real one does, and a session turn's ~20 new tokens would pad to 32;
+    # each size is one more prefill / resume shape to compile.
+    length_buckets_per_octave: int = 2
     max_top_k: int = 64  # width of the exact top-k path (wider top-k falls back to a full sort)
     max_stop_ids: int = 8
     # Decode states kept on device (sessions, prompt prefixes, whole prompts): a row count, or a
@@ -192,6 +197,9 @@ class Engine:
             cache_rows = c.slots if c.cache_rows is None else c.cache_rows
         if cache_rows < 0:
             raise ValueError(f"cache_rows must be >= 0, got {cache_rows}")
+        if not 1 <= c.length_buckets_per_octave <= c.min_bucket:
+            raise ValueError(f"length_buckets_per_octave must be in 1..min_bucket "
+                             f"({c.min_bucket}), got {c.length_buckets_per_octave}")  # fmt: skip
         if not 1 <= c.kv_buckets_per_octave <= c.min_kv_bucket:
             raise ValueError(f"kv_buckets_per_octave must be in 1..min_kv_bucket "
                              f"({c.min_kv_bucket}), got {c.kv_buckets_per_octave}")  # fmt: skip
@@ -604,8 +612,7 @@ class Engine:
         """One prefill (from scratch) or resume (from kept states) call for a group of segments;
         keeps their states where they have rows and fills the slots of the requests they end."""
         c = self.config
-        lo = c.min_resume_bucket if resumed else c.min_bucket
-        T = _bucket(max(len(seg.key) - seg.have for seg in group), lo, c.max_len)
+        T = self._length_bucket(max(len(seg.key) - seg.have for seg in group), resumed)
         P = _pow2(len(group))
         tokens = np.zeros((P, T), np.int32)
         n_new = np.zeros((P,), np.int32)
@@ -617,7 +624,8 @@ class Engine:
             rows[i] = 0 if seg.start is None else seg.start.row
             start[i] = seg.have
         if resumed:
-            kv_len = _bucket(max(len(seg.key) for seg in group), c.min_kv_bucket, c.max_len)
+            kv_len = _bucket(max(len(seg.key) for seg in group), c.min_kv_bucket, c.max_len,
+                             c.kv_buckets_per_octave)  # fmt: skip
             prefix = self.device.resume(rows, start, tokens, n_new, kv_len)
             self.stats["resumes"] += len(group)
             self.stats["resume_tokens"] += int(n_new.sum())
@@ -643,6 +651,13 @@ class Engine:
                 if len(p.job.prompt) == len(seg.key)]  # fmt: skip
         if ends:
             self._insert(prefix, ends, slots)
+
+    def _length_bucket(self, n: int, resumed: bool) -> int:
+        """The padded new-token length of a prefill or resume of at most ``n`` new tokens."""
+        c = self.config
+        if n <= c.min_bucket:
+            return _bucket(n, c.min_resume_bucket if resumed else c.min_bucket, c.max_len)
+        return _bucket(n, c.min_bucket, c.max_len, c.length_buckets_per_octave)
 
     def _insert_stored(self, ready: list[_Plan], slots) -> None:
         """Requests whose whole prompt is kept with its logits: straight from the store, all in
