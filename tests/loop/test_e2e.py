@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from whale_jax.loop import config as cfg
 from whale_jax.loop.metrics import read_metrics
 from whale_jax.loop.run import WhaleRun
@@ -17,6 +19,9 @@ from whale_jax.train.trainer import OptimConfig, TrainConfig
 HERE = Path(__file__).resolve().parent
 
 
+# The whole loop compiles the engine's and the trainer's programs and runs four evaluations, two
+# RSFT steps and a search: ~330 s on a 2-core AMD EPYC (the default per-test limit is 300 s).
+@pytest.mark.timeout(1500)
 def test_whale_trains_searches_and_reports(tmp_path):
     from harness.search.phase import SearchConfig
     from harness.search.validate import ValidationConfig

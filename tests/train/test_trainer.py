@@ -171,7 +171,7 @@ def test_learning_raises_log_probability_and_the_engine_samples_the_new_weights(
 
 SHARDED = textwrap.dedent(
     """
-    import jax, numpy as np
+    import dataclasses, jax, numpy as np
     from whale_jax import load_model
     from whale_jax.sharding import make_mesh
     from whale_jax.train.trainer import Trainer, TrainConfig, OptimConfig
@@ -186,25 +186,30 @@ SHARDED = textwrap.dedent(
                         task_id="t", session_id=str(i)))
     config = TrainConfig(optim=OptimConfig(learning_rate=1e-3), seq_len=128, micro_tokens=256)
     out = {}
-    for name, mesh in [("one", make_mesh(devices=jax.devices()[:1])),
-                       ("eight", make_mesh(data=2, fsdp=2, tp=2))]:
-        t = Trainer(model, config, mesh)
+    unrolled = dataclasses.replace(config, remat=False)  # layer groups unrolled, no remat
+    for name, mesh, c in [("one", make_mesh(devices=jax.devices()[:1]), config),
+                          ("eight", make_mesh(data=2, fsdp=2, tp=2), config),
+                          ("eight_unrolled", make_mesh(data=2, fsdp=2, tp=2), unrolled)]:
+        t = Trainer(model, c, mesh)
         loss, grads = t.loss_and_grad(rows)
         m = t.update(rows)
         out[name] = (loss, jax.tree.map(np.asarray, grads), m, t)
-    (l1, g1, m1, _), (l8, g8, m8, t8) = out["one"], out["eight"]
-    spec = t8.params["blocks"]["b0"]["mlp"]["gate_proj"].get_value().sharding.spec
-    print("SPEC", spec)
-    assert tuple(spec) == (None, "fsdp", "tp"), spec  # the update kept the FSDP/TP layout
-    assert m8.applied and m8.microbatches == 2 and m1.microbatches == 3
-    assert m1.trained_tokens == m8.trained_tokens
-    # Reordered fp32 sums across shards: the loss to ~1e-6 relative, each gradient entry to a
-    # small fraction of the largest one.
-    assert abs(l1 - l8) <= 1e-5 * l1, (l1, l8)
-    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(g1))
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)))
-    print("MAXDIFF", diff / scale)
-    assert diff <= 1e-4 * scale, diff / scale
+    l1, g1, m1, _ = out["one"]
+    for name in ("eight", "eight_unrolled"):
+        l8, g8, m8, t8 = out[name]
+        spec = t8.params["blocks"]["b0"]["mlp"]["gate_proj"].get_value().sharding.spec
+        print("SPEC", name, spec)
+        assert tuple(spec) == (None, "fsdp", "tp"), spec  # the update kept the FSDP/TP layout
+        assert m8.applied and m8.microbatches == 2 and m1.microbatches == 3
+        assert m1.trained_tokens == m8.trained_tokens
+        # Reordered fp32 sums across shards: the loss to ~1e-6 relative, each gradient entry to
+        # a small fraction of the largest one.
+        assert abs(l1 - l8) <= 1e-5 * l1, (name, l1, l8)
+        scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(g1))
+        pairs = zip(jax.tree.leaves(g1), jax.tree.leaves(g8), strict=True)
+        diff = max(float(np.abs(a - b).max()) for a, b in pairs)
+        print("MAXDIFF", name, diff / scale)
+        assert diff <= 1e-4 * scale, (name, diff / scale)
 
     # FSDP gathers weights, never a batch of activations. Compiled ahead of time (no weights) at
     # widths where XLA, left alone, would rather gather whole [8, 256, ...] activation batches.
@@ -217,23 +222,24 @@ SHARDED = textwrap.dedent(
         vocab_size=4096, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64))
     mesh = make_mesh(data=1, fsdp=8, tp=1)
     graphdef, abstract = nnx.split(abstract_model(cfg, jax.numpy.float32))
-    built = {}
-    def construct(state):
-        built["t"] = Trainer(nnx.merge(graphdef, state), TrainConfig(seq_len=256,
-                             micro_tokens=8 * 256), mesh)
-        return built["t"].params
-    shapes = jax.eval_shape(construct, abstract)
-    t = built["t"]
-    typed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         shapes, t.shardings)
-    scalar = jax.ShapeDtypeStruct((), np.float32, sharding=NamedSharding(mesh, P()))
-    ids = jax.ShapeDtypeStruct((8, 256), np.int32, sharding=t._batch_sharding)
-    weight = jax.ShapeDtypeStruct((8, 256), np.float32, sharding=t._batch_sharding)
-    hlo = t._accumulate.lower(typed, typed, scalar, ids, ids, ids, weight).compile().as_text()
-    gathered = [l.split("=", 1)[1].split("all-gather(")[0].strip() for l in hlo.splitlines()
-                if "all-gather(" in l]
-    print("GATHERED", sorted(set(gathered)))
-    assert gathered and not [g for g in gathered if g.startswith("f32[8,256,")], gathered
+    for remat in (True, False):
+        built = {}
+        def construct(state):
+            built["t"] = Trainer(nnx.merge(graphdef, state), TrainConfig(seq_len=256,
+                                 micro_tokens=8 * 256, remat=remat), mesh)
+            return built["t"].params
+        shapes = jax.eval_shape(construct, abstract)
+        t = built["t"]
+        typed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             shapes, t.shardings)
+        scalar = jax.ShapeDtypeStruct((), np.float32, sharding=NamedSharding(mesh, P()))
+        ids = jax.ShapeDtypeStruct((8, 256), np.int32, sharding=t._batch_sharding)
+        weight = jax.ShapeDtypeStruct((8, 256), np.float32, sharding=t._batch_sharding)
+        hlo = t._accumulate.lower(typed, typed, scalar, ids, ids, ids, weight).compile().as_text()
+        gathered = [l.split("=", 1)[1].split("all-gather(")[0].strip() for l in hlo.splitlines()
+                    if "all-gather(" in l]
+        print("GATHERED", remat, sorted(set(gathered)))
+        assert gathered and not [g for g in gathered if g.startswith("f32[8,256,")], gathered
     """
 )
 

@@ -231,6 +231,7 @@ class Transformer(nnx.Module):
         segments_BT: Array | None = None,
         remat: bool = False,
         act_sharding=None,
+        groups: tuple | None = None,
     ) -> Array:
         """Final hidden states (before the final norm) for full sequences, no cache.
 
@@ -243,7 +244,10 @@ class Transformer(nnx.Module):
         ``act_sharding`` (a sharding of [B, T, D] activations, e.g. batch over data x fsdp) pins
         the residual stream's layout at the embedding and at every layer group; without it an
         FSDP mesh, whose weights split D over fsdp, lets XLA gather whole batches of
-        activations onto every device.
+        activations onto every device. ``groups`` (``split_groups`` of the block state) runs the
+        layer groups as a Python loop over per-group weights instead of a scan: without remat,
+        each group's residuals are then ordinary buffers rather than slices of scan-stacked
+        arrays, which XLA:CPU zero-fills and copies (the trainer does so when remat is off).
         """
         if segments_BT is not None:
             segments_BT = segments_BT.astype(jnp.int32)
@@ -264,6 +268,7 @@ class Transformer(nnx.Module):
             positions_BT,
             valid_BT,
             None,
+            groups,
             segments_BT=segments_BT,
             remat=remat,
             act_sharding=act_sharding,

@@ -44,12 +44,16 @@ def nll_sum(
     remat: bool = True,
     act_sharding=None,
     head_sharding=None,
+    groups: tuple | None = None,
 ) -> tuple[Array, Array]:
     """(sum of the trained tokens' NLL, number of trained tokens) over one microbatch, fp32.
     ``pick_BP``/``weight_BP`` from ``packing.pick_predictions``; ``act_sharding``: the layout of
-    [B, T, D] activations (``Transformer.hidden``); ``head_sharding``: the head weight's (its
-    gradient is accumulated in that layout)."""
-    h_BTD = model.hidden(tokens_BT, segments_BT=segments_BT, remat=remat, act_sharding=act_sharding)
+    [B, T, D] activations and ``groups`` the per-group weights of an unrolled layer loop
+    (``Transformer.hidden``); ``head_sharding``: the head weight's (its gradient is accumulated in
+    that layout)."""
+    h_BTD = model.hidden(
+        tokens_BT, segments_BT=segments_BT, remat=remat, act_sharding=act_sharding, groups=groups
+    )
     return nll_from_hidden(
         model,
         h_BTD,

@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from whale_jax.models.transformer import Transformer
+from whale_jax.models.transformer import Transformer, split_groups
 from whale_jax.sharding import logical_spec, make_mesh
 from whale_jax.train.loss import nll_sum
 from whale_jax.train.packing import Microbatch, microbatches, pad_fraction
@@ -76,7 +76,9 @@ class TrainConfig:
     micro_tokens: int = 16384  # token positions per microbatch (gradient accumulation unit)
     pack: bool = True  # pack rows (one shape) or bucket them by length
     compute_dtype: str = "float32"  # float32 | bfloat16; master weights stay fp32
-    remat: bool = True  # rematerialise each layer group in the backward pass
+    # Rematerialise each layer group in the backward pass (scanned groups); off, the groups run
+    # unrolled and keep their activations (faster where memory allows).
+    remat: bool = True
     loss_chunk: int = 256  # tokens per row whose logits exist at once
     loss_buckets: int = 4  # loss widths per sequence length: trained positions per row, rounded up
 
@@ -228,8 +230,12 @@ class Trainer:
         head = "embed" if self.cfg.tie_word_embeddings else "lm_head"
         head_sharding = self.shardings[head].get_value()
 
-        def loss_sum(params, tokens, segments, pick, weight):
+        def loss_sum(params, groups, tokens, segments, pick, weight):
             cast = jax.tree.map(lambda a, d: a.astype(d), params, dtypes)
+            if groups is not None:
+                groups = [
+                    jax.tree.map(lambda a, d: a.astype(d), g, dtypes["blocks"]) for g in groups
+                ]
             model = nnx.merge(cgraph, cast)
             return nll_sum(
                 model,
@@ -241,12 +247,24 @@ class Trainer:
                 remat=c.remat,
                 act_sharding=self._act_sharding,
                 head_sharding=head_sharding,
+                groups=groups,
             )  # (sum, count)
 
-        grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+        grad_fn = jax.value_and_grad(loss_sum, argnums=(0, 1), has_aux=True)
 
         def accumulate(params, acc, nll, tokens, segments, pick, weight):
-            (total, _), grads = grad_fn(params, tokens, segments, pick, weight)
+            # Without remat the layer groups run unrolled over per-group weight slices, cut here
+            # outside the differentiated function (inside it, each slice's gradient would be a
+            # zero-padded full stack) and the groups' gradients stacked back. With XLA:CPU's
+            # scan, every residual of a group lives in a scan-stacked array that is zero-filled
+            # and copied in and out; unrolled they are plain buffers (Qwen3.5 small, one core:
+            # forward + backward 6.3 s with remat -> 5.2 s; a scan without remat 6.1 s).
+            groups = None if c.remat else list(split_groups(params["blocks"]))
+            (total, _), (grads, group_grads) = grad_fn(
+                params, groups, tokens, segments, pick, weight
+            )
+            if group_grads is not None:  # (the stacked blocks' own gradient is zero: unused)
+                grads["blocks"] = jax.tree.map(lambda *g: jnp.stack(g), *group_grads)
             acc = jax.tree.map(jnp.add, acc, grads)
             return acc, nll + total
 
