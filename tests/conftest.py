@@ -1,4 +1,3 @@
-import gc
 import os
 import sys
 from pathlib import Path
@@ -23,40 +22,18 @@ if os.environ["JAX_PLATFORMS"] != "cpu":
 
 
 # -- compiled programs ---------------------------------------------------------------------------
-# Every XLA:CPU executable maps its code into the process as a few small memory regions, and jax
-# keeps each compiled program alive in its caches. The suite compiles thousands of programs in one
-# process; on Linux a process may hold at most vm.max_map_count (65530 by default) mappings, and
-# past it the next compile's mmap fails and XLA dies with a segfault (seen in CI ~98 % through the
-# suite). So once the process holds half its allowance, drop jax's caches between tests (programs
-# a later test needs again are recompiled). What a clear cannot free (programs that live objects
-# hold) raises the next trigger, so a full process does not clear after every test.
-def _mappings() -> tuple[int, int] | None:
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            held = sum(1 for _ in f)
-        with open("/proc/sys/vm/max_map_count") as f:
-            return held, int(f.read())
-    except (OSError, ValueError):  # not Linux: no such limit to keep under
-        return None
+# The suite compiles thousands of XLA programs in one process; without dropping them it passes
+# Linux's vm.max_map_count and XLA segfaults (CI did, ~98 % through). See whale_jax/compiled.py.
+from whale_jax.compiled import MappingGuard  # noqa: E402 (after JAX_PLATFORMS is set)
 
-
-_clear_above: list[int] = []  # the trigger, set from the limit on first use
+_guard = MappingGuard()
 
 
 @pytest.fixture(autouse=True)
 def _keep_under_the_mapping_limit():
     yield
-    counts = _mappings()
-    if counts is None or "jax" not in sys.modules:
-        return
-    held, limit = counts
-    if not _clear_above:
-        _clear_above.append(limit // 2)
-    if held > _clear_above[0]:
-        sys.modules["jax"].clear_caches()
-        gc.collect()
-        after = _mappings()
-        _clear_above[0] = max(limit // 2, (after[0] if after else held) + limit // 8)
+    if "jax" in sys.modules:
+        _guard.check()
 
 
 @pytest.fixture(scope="session")

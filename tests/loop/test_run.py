@@ -184,3 +184,38 @@ def test_every_method_runs_its_phase_sequence(tiny_model_dir, tmp_path, override
     if overrides.get("method") == "stagewise":
         meta = json.load(open(os.path.join(run_dir, "archive", "phase-001", "phase.json")))
         assert meta["config"]["iterations"] == 2  # one phase x (I - 1) + 1
+
+
+# The run as `python -m whale_jax.main`, with the mapping guard (whale_jax/compiled.py) made to
+# drop every compiled program at each of its checks, as a CPU process near vm.max_map_count would.
+_ALWAYS_DROP = """
+import sys
+from absl import app
+import whale_jax.loop.run as run
+from whale_jax import main
+from whale_jax.compiled import MappingGuard
+
+class AlwaysDrop(MappingGuard):
+    def check(self):
+        self.trigger = -1
+        return super().check()
+
+run.MappingGuard = AlwaysDrop
+sys.argv = ["whale_jax.main", *sys.argv[1:]]
+app.run(main.main)
+"""
+
+
+def test_dropping_compiled_programs_mid_run_changes_no_result(baseline, tiny_model_dir, tmp_path):
+    run_dir = str(tmp_path / "run")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    args = [sys.executable, "-c", _ALWAYS_DROP, *small_run_flags(run_dir, tiny_model_dir)]
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("dropped jax's compiled programs") >= 4 + 3  # each step, phase end
+    ours, theirs = metric_lines(run_dir), metric_lines(baseline[0])
+    assert shape(ours) == shape(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        if a["kind"] in ("eval", "rsft"):
+            for key in ("test", "validation", "loss", "kept", "mean_reward"):
+                assert a.get(key) == b.get(key), (a["kind"], a["step"], key)

@@ -32,6 +32,7 @@ from harness.records import EpisodeRecord, task_rewards
 from harness.search.archive import Archive, read_json, write_atomic, write_json
 from harness.search.phase import HarnessPhase, PhaseInterrupted
 from harness.search.skills import skill_text
+from whale_jax.compiled import MappingGuard
 from whale_jax.loop import schedule as sched
 from whale_jax.loop.checkpoint import Checkpoints
 from whale_jax.loop.config import (
@@ -152,6 +153,8 @@ class WhaleRun:
         self._t_start = time.monotonic()
         self._last_save = time.monotonic()
         self._dirty = False
+        # CPU runs compile engine programs for each new prompt length; see whale_jax/compiled.py.
+        self._mappings = MappingGuard(log=self.say)
 
     # ---- small helpers -------------------------------------------------------------------------
 
@@ -440,6 +443,7 @@ class WhaleRun:
                            episodes=int(s.counters["weight_episodes"]))  # fmt: skip
                 if plan.eval_every and s.step % plan.eval_every == 0:
                     self.evaluate("periodic")
+                self._mappings.check()
                 self.maybe_save()
         finally:
             bar.close()
@@ -529,6 +533,7 @@ class WhaleRun:
                 s.phase_start, s.phase_rewards = s.step, []
                 self.emit("phase_end", phase_kind=kind, phase_index=len(s.phases), next=s.phase)
                 self.evaluate(f"end of phase {len(s.phases)} ({kind})")
+                self._mappings.check()
                 if s.phase is not None:
                     self.say(f"next: {s.phase} phase")
                 # A harness phase changes no weights and its archive is its own checkpoint.
