@@ -1,5 +1,4 @@
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,8 +31,7 @@ _guard = MappingGuard()
 @pytest.fixture(autouse=True)
 def _keep_under_the_mapping_limit():
     yield
-    if "jax" in sys.modules:
-        _guard.check()
+    _guard.check()
 
 
 @pytest.fixture(scope="session")
