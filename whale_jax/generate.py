@@ -28,8 +28,9 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and acti
 flags.DEFINE_bool(
     "unroll_layers",
     False,
-    "Run the layers unrolled over per-layer weights (faster steps on CPU, but a ~10x longer "
-    "compile: worth it for long generations, not for one short answer).",
+    "Run the decode loop's layers unrolled over per-layer weights (faster steps on CPU, but a "
+    "several times longer decode compile: worth it for long generations, not for one short "
+    "answer; the prompt's prefill scans either way).",
 )
 
 

@@ -4,6 +4,7 @@ checkpoints: round trip, retention, and the fall-back past an unreadable latest 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import glob
 import os
 from pathlib import Path
@@ -130,6 +131,10 @@ def _bump(trainer, value: float) -> None:
     trainer.step += 1
 
 
+# Orbax reads a save's arrays as concurrent coroutines and, when one fails (the truncated file
+# below), raises without closing its siblings; they are collected later and Python reports each as
+# an unraisable exception. The test collects them itself so the report lands here, and ignores it.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_checkpoint_round_trip_retention_and_fallback(tmp_path, trainer):
     from whale_jax.loop.checkpoint import Checkpoints
 
@@ -156,6 +161,7 @@ def test_checkpoint_round_trip_retention_and_fallback(tmp_path, trainer):
     ck.close()
     ck = Checkpoints(str(tmp_path / "ck"), keep=2, log=logs.append)
     index, state = ck.restore(trainer)
+    gc.collect()  # Orbax's abandoned reads of save 4 (see above)
     assert index == 3 and state["n"] == 3
     assert any("cannot be read" in line and "falling back" in line for line in logs)
     for a, b in zip(_leaves(trainer), saved[3], strict=True):

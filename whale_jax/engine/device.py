@@ -181,10 +181,10 @@ def _gather_rows(src: DecodeCache, kv: tuple[bool, ...], rows, window: int) -> D
 # The jitted steps are module-level with the graph definition as a static argument, so engines
 # over models of one config share compilations (tests and benchmarks build several engines).
 @functools.partial(jax.jit, static_argnums=0)
-def _prefill(graphdef, params, groups, tokens_PT, lengths_P) -> Prefix:
+def _prefill(graphdef, params, tokens_PT, lengths_P) -> Prefix:
     model = nnx.merge(graphdef, params)
     T = tokens_PT.shape[1]
-    logits, cache = model.prefill(tokens_PT, lengths_P, max_len=T, last_only=True, groups=groups)
+    logits, cache = model.prefill(tokens_PT, lengths_P, max_len=T, last_only=True)
     return Prefix(logits, cache)
 
 
@@ -222,7 +222,7 @@ _insert = functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)(_i
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _resume(
-    graphdef, kv, kv_len, params, groups, store: DecodeCache, rows_P, start_P, tokens_PT, n_new_P
+    graphdef, kv, kv_len, params, store: DecodeCache, rows_P, start_P, tokens_PT, n_new_P
 ) -> Prefix:
     """Continues store rows, each from its first ``start_P`` positions, by new tokens; attention
     reads only the first ``kv_len`` (static, a bucket that bounds every row after the new tokens)
@@ -233,7 +233,7 @@ def _resume(
     model = nnx.merge(graphdef, params)
     cache = _gather_rows(store, kv, rows_P, min(kv_len, store.capacity))
     cache = DecodeCache(lengths=start_P, layers=cache.layers)
-    logits, cache = model.extend(cache, tokens_PT, n_new_P, last_only=True, groups=groups)
+    logits, cache = model.extend(cache, tokens_PT, n_new_P, last_only=True)
     return Prefix(logits, cache)
 
 
@@ -322,11 +322,16 @@ def _check_padding(name: str, dst, limit: int) -> None:
 class DeviceEngine:
     """Jitted prefill / resume / insert / generate / park for one model and a fixed slot count.
 
-    ``unroll``: prefill, resume and generate run the layers unrolled over a per-group copy of the
+    ``unroll``: generate (the decode loop) runs the layers unrolled over a per-group copy of the
     block weights (made on device at each ``set_params``) instead of scanning the stacked ones.
-    XLA CPU copies a layer's weight slice out of the stack on every scan step, which at batch 1
-    costs more than the matmuls; the copy doubles the block weights' memory, and compile time
-    grows with depth. None = on where the default backend is the CPU.
+    XLA CPU copies a layer's weight slice out of the stack on every scan step, which for a decode
+    step's few rows costs more than the matmuls; the copy doubles the block weights' memory, and
+    compile time grows with depth. None = on where the default backend is the CPU. Prefill and
+    resume always scan: a call's P x T tokens share each layer's copy, and a scanned shape
+    compiles 2-4x faster (SmolLM2, 30 layers, one CPU core: 0.7-2.8 s against 2.5-6.7 s) and
+    runs within -6 % to +11 % of the unrolled call, which matters because prompts meet many
+    shapes (rows x length bucket x KV window) while decode meets a few
+    (``benchmarks/bench_prompt_layers.py``).
 
     ``row_moves``: how rows move between slots and the store, ``"loop"`` (one row at a time) or
     ``"scatter"`` (all at once); None = the loop on the CPU, the scatter elsewhere (see
@@ -440,7 +445,7 @@ class DeviceEngine:
     # -- the five steps --------------------------------------------------------------------------
     def prefill(self, tokens_PT, lengths_P) -> Prefix:
         self._note("prefill", tokens_PT.shape)
-        return _prefill(self.graphdef, self.params, self.groups, tokens_PT, lengths_P)
+        return _prefill(self.graphdef, self.params, tokens_PT, lengths_P)
 
     def resume(self, rows_P, start_P, tokens_PT, n_new_P, kv_len: int | None = None) -> Prefix:
         """Continues store rows, from their first ``start_P`` positions (a row's whole length,
@@ -449,7 +454,7 @@ class DeviceEngine:
         kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
         self._note("resume", tokens_PT.shape, kv_len)
         return _resume(
-            self.graphdef, self.kv, kv_len, self.params, self.groups, self.store.cache,
+            self.graphdef, self.kv, kv_len, self.params, self.store.cache,
             rows_P, np.asarray(start_P, np.int32), tokens_PT, n_new_P,
         )  # fmt: skip
 

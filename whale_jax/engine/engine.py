@@ -91,7 +91,8 @@ class EngineConfig:
     # (repeats: no prefill at all) are always kept and served.
     min_kept_tokens: int = 16
     seed: int = 0
-    unroll_layers: bool | None = None  # decode over per-layer weights; None = on CPU (DeviceEngine)
+    # Decode over per-layer weights (prefill and resume always scan); None = on CPU (DeviceEngine).
+    unroll_layers: bool | None = None
     # How decode-state rows move between slots and the store: "loop" (a row at a time, the
     # CPU's), "scatter" (all at once, the accelerators'); None = by backend (DeviceEngine).
     row_moves: str | None = None
