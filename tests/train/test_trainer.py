@@ -177,7 +177,6 @@ SHARDED = textwrap.dedent(
     from whale_jax.train.trainer import Trainer, TrainConfig, OptimConfig
     from whale_jax.train.rows import Row
     assert jax.device_count() == 8
-    model = load_model("tests/fixtures/tiny_qwen3_5").model
     rng = np.random.default_rng(0)
     rows = []
     for i, n in enumerate([37, 5, 70, 12, 64, 3, 50, 20, 9, 100, 120, 90]):
@@ -187,19 +186,36 @@ SHARDED = textwrap.dedent(
     config = TrainConfig(optim=OptimConfig(learning_rate=1e-3), seq_len=128, micro_tokens=256)
     out = {}
     unrolled = dataclasses.replace(config, remat=False)  # layer groups unrolled, no remat
-    for name, mesh, c in [("one", make_mesh(devices=jax.devices()[:1]), config),
-                          ("eight", make_mesh(data=2, fsdp=2, tp=2), config),
-                          ("eight_unrolled", make_mesh(data=2, fsdp=2, tp=2), unrolled)]:
+    # The hybrid with its own LM head, and a dense model whose head is the tied embedding (its
+    # gradient is accumulated transposed under the transposed sharding, then laid back).
+    cases = [("tiny_qwen3_5", "one", make_mesh(devices=jax.devices()[:1]), config),
+             ("tiny_qwen3_5", "eight", make_mesh(data=2, fsdp=2, tp=2), config),
+             ("tiny_qwen3_5", "eight_unrolled", make_mesh(data=2, fsdp=2, tp=2), unrolled),
+             ("tiny_qwen3", "one", make_mesh(devices=jax.devices()[:1]), config),
+             ("tiny_qwen3", "eight", make_mesh(data=2, fsdp=2, tp=2), config)]
+    for fixture, name, mesh, c in cases:
+        model = load_model(f"tests/fixtures/{fixture}").model
         t = Trainer(model, c, mesh)
         loss, grads = t.loss_and_grad(rows)
         m = t.update(rows)
-        out[name] = (loss, jax.tree.map(np.asarray, grads), m, t)
-    l1, g1, m1, _ = out["one"]
-    for name in ("eight", "eight_unrolled"):
-        l8, g8, m8, t8 = out[name]
+        out[fixture, name] = (loss, jax.tree.map(np.asarray, grads), m, t)
+    for fixture, name in [k for k in out if k[1] != "one"]:
+        l1, g1, m1, _ = out[fixture, "one"]
+        l8, g8, m8, t8 = out[fixture, name]
+        name = f"{fixture}/{name}"
+        for path in (("blocks", "b0", "mlp", "gate_proj"), ("embed",)):
+            leaf = t8.params
+            for key in path:
+                leaf = leaf[key]
+            before = t8.shardings
+            for key in path:
+                before = before[key]
+            spec = leaf.get_value().sharding.spec
+            print("SPEC", name, path, spec)
+            # the update kept the FSDP/TP layout
+            assert leaf.get_value().sharding == before.get_value(), (path, spec)
         spec = t8.params["blocks"]["b0"]["mlp"]["gate_proj"].get_value().sharding.spec
-        print("SPEC", name, spec)
-        assert tuple(spec) == (None, "fsdp", "tp"), spec  # the update kept the FSDP/TP layout
+        assert tuple(spec) == (None, "fsdp", "tp"), spec
         assert m8.applied and m8.microbatches == 2 and m1.microbatches == 3
         assert m1.trained_tokens == m8.trained_tokens
         # Reordered fp32 sums across shards: the loss to ~1e-6 relative, each gradient entry to

@@ -90,6 +90,14 @@ def nll_from_hidden(
     return total, jnp.sum(weight_BP)
 
 
+def _transposed(sharding):
+    """The sharding of a 2-D array's transpose (a NamedSharding's two axes swapped)."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None  # one device: nothing to constrain
+    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[1], spec[0]))
+
+
 def _head_nll(chunk: int, tied: bool, act_sharding, head_sharding):
     """sum over positions of weight * (logsumexp(logits) - logits[target]) with logits = h @ W
     (W [D, V], or [V, D] when ``tied``), as a function whose VJP was computed in its forward."""
@@ -139,18 +147,26 @@ def _head_nll(chunk: int, tied: bool, act_sharding, head_sharding):
             dlogits_BCV = dlogits_BCV.astype(h_BCD.dtype)
             dh_BCD = linear(dlogits_BCV, W) if tied else linear_t(dlogits_BCV, W)
             h_ND, dl_NV = h_BCD.reshape(-1, D), dlogits_BCV.reshape(-1, V)
-            if tied:  # W [V, D]
-                step = jnp.dot(dl_NV.T, h_ND, preferred_element_type=jnp.float32)
-            else:
-                step = jnp.dot(h_ND.T, dl_NV, preferred_element_type=jnp.float32)
+            # [D, V] either way (a tied head's is transposed once after the scan): XLA CPU ran
+            # the [V, D] product, both operands contracted on their token axis, at half the
+            # speed (1,024 x 16,384 x 256 on one core: 96 -> 43 ms with the transpose).
+            step = jnp.dot(h_ND.T, dl_NV, preferred_element_type=jnp.float32)
             return (total, dW + step), dh_BCD
 
-        dW = jnp.zeros(W.shape, jnp.float32) if grads else jnp.zeros((), jnp.float32)
-        if grads and head_sharding is not None:
-            dW = jax.lax.with_sharding_constraint(dW, head_sharding)
+        V = W.shape[0] if tied else W.shape[1]
+        dW = jnp.zeros((D, V), jnp.float32) if grads else jnp.zeros((), jnp.float32)
+        sharding_DV = head_sharding
+        if tied and head_sharding is not None:
+            sharding_DV = _transposed(head_sharding)
+        if grads and sharding_DV is not None:
+            dW = jax.lax.with_sharding_constraint(dW, sharding_DV)
         (total, dW), dh = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dW), xs)
         if not grads:
             return total
+        if tied:  # the barrier keeps XLA from folding the transpose back into the products
+            dW = jax.lax.optimization_barrier(dW).T
+            if head_sharding is not None:
+                dW = jax.lax.with_sharding_constraint(dW, head_sharding)
         dh_BPD = dh.swapaxes(0, 1).reshape(B, n * C, D)[:, :P]
         return total, dh_BPD, dW
 
