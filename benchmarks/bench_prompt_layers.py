@@ -3,9 +3,10 @@ unrolled over per-group weights: compile time and run time per shape, on one CPU
 
 The engine's decode loop unrolls its layers on the CPU (a decode step's few rows cannot pay for
 the weight slice a scan step copies); this measures whether prefill and resume, whose P x T
-tokens share that copy, should too. Each case runs the engine's own jitted functions on the
-same weights and store: the first call (compile + one run) and the median of ``--repeats``
-calls after it, scanned and unrolled back to back per shape.
+tokens share that copy, should too. Each case runs the bodies of the engine's prefill and
+resume (engine/device.py) with the layer weights given either way, on the same weights and
+store: the first call (compile + one run) and the median of ``--repeats`` calls after it,
+unrolled and scanned back to back per shape.
 
     .venv/bin/python benchmarks/bench_prompt_layers.py --model smollm2
     .venv/bin/python benchmarks/bench_prompt_layers.py --model qwen3_5_small
