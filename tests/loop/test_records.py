@@ -132,8 +132,9 @@ def _bump(trainer, value: float) -> None:
 
 
 # Orbax reads a save's arrays as concurrent coroutines and, when one fails (the truncated file
-# below), raises without closing its siblings; they are collected later and Python reports each as
-# an unraisable exception. The test collects them itself so the report lands here, and ignores it.
+# below), raises without closing its siblings; Python reports each as an unraisable exception when
+# it is collected (also its event loop's, closed by then). The test collects what it can itself
+# so the reports land here, and ignores them; pyproject.toml ignores the reads collected later.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_checkpoint_round_trip_retention_and_fallback(tmp_path, trainer):
     from whale_jax.loop.checkpoint import Checkpoints
