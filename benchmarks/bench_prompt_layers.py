@@ -3,9 +3,8 @@ unrolled over per-group weights: compile time and run time per shape, on one CPU
 
 The engine's decode loop unrolls its layers on the CPU (a decode step's few rows cannot pay for
 the weight slice a scan step copies); this measures whether prefill and resume, whose P x T
-tokens share that copy, should too. Each case runs the bodies of the engine's prefill and
-resume (engine/device.py) with the layer weights given either way, on the same weights and
-store: the first call (compile + one run) and the median of ``--repeats`` calls after it,
+tokens share that copy, should too. Each case runs the engine's own jitted prefill and resume
+(engine/device.py) with the layer weights given either way, on the same weights and store: the first call (compile + one run) and the median of ``--repeats`` calls after it,
 unrolled and scanned back to back per shape.
 
     .venv/bin/python benchmarks/bench_prompt_layers.py --model smollm2
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import functools
 import json
 import os
 import sys
@@ -43,12 +41,10 @@ def main() -> None:
 
     import jax
     import numpy as np
-    from flax import nnx
 
     import whale_jax
     from whale_jax.engine import device as dv
     from whale_jax.engine.device import DeviceEngine
-    from whale_jax.models.transformer import DecodeCache
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "qwen3_5_small":
@@ -60,21 +56,6 @@ def main() -> None:
             model, _, _ = whale_jax.load_model(args.model)
     eng = DeviceEngine(model, slots=64, max_len=512, cache_rows=64, unroll=True)
     groups = {"unrolled": eng.groups, "scanned": None}
-
-    # The engine's prefill and resume bodies (engine/device.py), with the layers' weights
-    # given either way.
-    @functools.partial(jax.jit, static_argnums=0)
-    def prefill(graphdef, params, groups, tokens_PT, n_new_P):
-        model = nnx.merge(graphdef, params)
-        T = tokens_PT.shape[1]
-        return model.prefill(tokens_PT, n_new_P, max_len=T, last_only=True, groups=groups)
-
-    @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-    def resume(graphdef, kv, kv_len, params, groups, store, rows_P, start_P, tokens_PT, n_new_P):
-        model = nnx.merge(graphdef, params)
-        cache = dv._gather_rows(store, kv, rows_P, kv_len)
-        cache = DecodeCache(lengths=start_P, layers=cache.layers)
-        return model.extend(cache, tokens_PT, n_new_P, last_only=True, groups=groups)
 
     def timed(fn, *call_args):
         t = time.perf_counter()
@@ -102,10 +83,10 @@ def main() -> None:
             for name, g in groups.items():
                 if call == "resume":
                     store = eng.store.cache
-                    res[name] = timed(resume, eng.graphdef, eng.kv, kv, eng.params, g, store,
+                    res[name] = timed(dv._resume, eng.graphdef, eng.kv, kv, eng.params, g, store,
                                       rows, start, toks, n_new)  # fmt: skip
                 else:
-                    res[name] = timed(prefill, eng.graphdef, eng.params, g, toks, n_new)
+                    res[name] = timed(dv._prefill, eng.graphdef, eng.params, g, toks, n_new)
             case = {"call": call, "P": P, "T": T, "window": kv if call == "resume" else None}
             for name, (first, run) in res.items():
                 case[f"{name}_first_s"], case[f"{name}_run_s"] = first, run

@@ -181,10 +181,12 @@ def _gather_rows(src: DecodeCache, kv: tuple[bool, ...], rows, window: int) -> D
 # The jitted steps are module-level with the graph definition as a static argument, so engines
 # over models of one config share compilations (tests and benchmarks build several engines).
 @functools.partial(jax.jit, static_argnums=0)
-def _prefill(graphdef, params, tokens_PT, lengths_P) -> Prefix:
+def _prefill(graphdef, params, groups, tokens_PT, lengths_P) -> Prefix:
+    """``groups``: None (the engine's choice: scan the layers, see ``DeviceEngine``) or per-group
+    weights to run them unrolled (benchmarks/bench_prompt_layers.py compares the two)."""
     model = nnx.merge(graphdef, params)
     T = tokens_PT.shape[1]
-    logits, cache = model.prefill(tokens_PT, lengths_P, max_len=T, last_only=True)
+    logits, cache = model.prefill(tokens_PT, lengths_P, max_len=T, last_only=True, groups=groups)
     return Prefix(logits, cache)
 
 
@@ -222,18 +224,18 @@ _insert = functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)(_i
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _resume(
-    graphdef, kv, kv_len, params, store: DecodeCache, rows_P, start_P, tokens_PT, n_new_P
+    graphdef, kv, kv_len, params, groups, store: DecodeCache, rows_P, start_P, tokens_PT, n_new_P
 ) -> Prefix:
     """Continues store rows, each from its first ``start_P`` positions, by new tokens; attention
     reads only the first ``kv_len`` (static, a bucket that bounds every row after the new tokens)
     positions, and the prefix has that capacity. Only that window of the rows is gathered out of
     the store. A start below a row's length reads a prefix of its keys (the new tokens overwrite
     the rest, and attention masks anything past each query): only where every layer is
-    attention; a recurrent state holds its row's whole length."""
+    attention; a recurrent state holds its row's whole length. ``groups`` as for ``_prefill``."""
     model = nnx.merge(graphdef, params)
     cache = _gather_rows(store, kv, rows_P, min(kv_len, store.capacity))
     cache = DecodeCache(lengths=start_P, layers=cache.layers)
-    logits, cache = model.extend(cache, tokens_PT, n_new_P, last_only=True)
+    logits, cache = model.extend(cache, tokens_PT, n_new_P, last_only=True, groups=groups)
     return Prefix(logits, cache)
 
 
@@ -445,7 +447,7 @@ class DeviceEngine:
     # -- the five steps --------------------------------------------------------------------------
     def prefill(self, tokens_PT, lengths_P) -> Prefix:
         self._note("prefill", tokens_PT.shape)
-        return _prefill(self.graphdef, self.params, tokens_PT, lengths_P)
+        return _prefill(self.graphdef, self.params, None, tokens_PT, lengths_P)  # scanned
 
     def resume(self, rows_P, start_P, tokens_PT, n_new_P, kv_len: int | None = None) -> Prefix:
         """Continues store rows, from their first ``start_P`` positions (a row's whole length,
@@ -454,7 +456,7 @@ class DeviceEngine:
         kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
         self._note("resume", tokens_PT.shape, kv_len)
         return _resume(
-            self.graphdef, self.kv, kv_len, self.params, self.store.cache,
+            self.graphdef, self.kv, kv_len, self.params, None, self.store.cache,  # scanned
             rows_P, np.asarray(start_P, np.int32), tokens_PT, n_new_P,
         )  # fmt: skip
 
