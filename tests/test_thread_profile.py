@@ -1,6 +1,7 @@
 """The benchmarks' thread sampler: samples land in the sampled thread's own frames, split between
 where it ran and where it waited, and its CPU time is its own, not the process's."""
 
+import sys
 import threading
 import time
 
@@ -32,6 +33,7 @@ def test_sampler_splits_a_thread_between_running_and_waiting():
     release = threading.Event()
     worker = threading.Thread(target=_work, args=(release,))
     sampler = ThreadSampler(worker, interval=0.002)
+    switch = sys.getswitchinterval()
     process0 = time.process_time()
     sampler.start()  # before the thread starts: it waits for it
     worker.start()
@@ -39,7 +41,9 @@ def test_sampler_splits_a_thread_between_running_and_waiting():
     other = threading.Thread(target=_elsewhere, args=(0.8,))
     other.start()
     time.sleep(0.8)
+    assert sys.getswitchinterval() < switch  # lowered while it samples, so it gets the GIL
     sampler.stop()
+    assert sys.getswitchinterval() == switch
     process_cpu = time.process_time() - process0
     release.set()
     worker.join()
