@@ -116,7 +116,11 @@ flags.DEFINE_bool("eval_test", True, "Evaluate on the test split.")
 flags.DEFINE_bool("eval_validation", True, "Evaluate on the validation split.")
 # Checkpoints and reporting.
 flags.DEFINE_string("checkpoint_dir", "", "Orbax directory, local or gs:// (default: "
-                    "<run_dir>/checkpoints).")  # fmt: skip
+                    "<run_dir_mirror>/checkpoints with a mirror, else <run_dir>/checkpoints).")  # fmt: skip
+flags.DEFINE_string("run_dir_mirror", "", "Keep a copy of the run directory here (gs://bucket/"
+                    "path or a local path), pushed before every checkpoint save and at the end, "
+                    "and restored when the local run directory has not started: a run on a VM "
+                    "that lost its disk resumes with the same command (docs/loop.md).")  # fmt: skip
 flags.DEFINE_integer("checkpoint_keep", 2, "Checkpoints kept: the last N plus validation-best.")
 flags.DEFINE_integer("checkpoint_every_steps", 0, "Also save every N RSFT steps (0: off).")
 flags.DEFINE_float("checkpoint_every_minutes", 30.0, "Also save after this long since the last.")
@@ -153,6 +157,7 @@ def config_from_flags(f=F) -> cfg.RunConfig:
                     "search_min_proposals", "search_patience", "search_max_proposals")  # fmt: skip
     config = cfg.RunConfig(
         run_dir=run_dir,
+        mirror=f.run_dir_mirror,
         seed=f.seed,
         initial_harness=f.initial_harness,
         data=cfg.DataConfig(
@@ -229,6 +234,7 @@ def main(argv: list[str]) -> int:
     from absl import logging
 
     from whale_jax.loop.checkpoint import CheckpointMismatch
+    from whale_jax.loop.mirror import MirrorError
     from whale_jax.loop.run import PREEMPTED_EXIT, Preempted, WhaleRun
 
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
@@ -241,6 +247,9 @@ def main(argv: list[str]) -> int:
     except (cfg.ConfigError, CheckpointMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except MirrorError as e:
+        print(f"error: {e}; the last complete checkpoint stands, rerun to resume", file=sys.stderr)
+        return 1
     except Preempted:
         print("stopped by SIGTERM; rerun the same command to resume", file=sys.stderr)
         return PREEMPTED_EXIT

@@ -108,6 +108,7 @@ class ProposerConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     run_dir: str = "runs/run"
+    mirror: str = ""  # the run directory mirrored here (gs://... for preemptible VMs; mirror.py)
     seed: int = 0
     initial_harness: str = ""  # a harness file to start from ("": the domain's seed h0)
     data: DataConfig = DataConfig()
@@ -133,7 +134,8 @@ class RunConfig:
 
     @property
     def checkpoint_dir(self) -> str:
-        return self.checkpoint.directory or f"{self.run_dir.rstrip('/')}/checkpoints"
+        base = self.mirror or self.run_dir  # with a mirror, the checkpoints live beside it
+        return self.checkpoint.directory or f"{base.rstrip('/')}/checkpoints"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -142,6 +144,7 @@ class RunConfig:
 # Fields that may differ on resume: where things live and how often/loudly the run reports.
 OPERATIONAL = (
     "run_dir",
+    "mirror",
     "checkpoint.directory",
     "checkpoint.keep",
     "checkpoint.every_steps",
@@ -254,3 +257,7 @@ def validate(config: RunConfig) -> None:
     need(d.arith_difficulty >= 1, "arith_difficulty", "levels start at 1")
     need(not config.initial_harness or os.path.isfile(config.initial_harness),
          "initial_harness", f"{config.initial_harness}: no such file")  # fmt: skip
+    if config.mirror and "://" not in config.mirror:  # a local path: not inside the run dir
+        mirror, run = os.path.abspath(config.mirror), os.path.abspath(config.run_dir)
+        need(os.path.commonpath([mirror, run]) not in (mirror, run), "run_dir_mirror",
+             f"{config.mirror} and --run_dir={config.run_dir} contain one another")  # fmt: skip

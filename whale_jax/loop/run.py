@@ -153,6 +153,7 @@ class WhaleRun:
         self._t_start = time.monotonic()
         self._last_save = time.monotonic()
         self._dirty = False
+        self.mirror = None  # set up in setup() when config.mirror names one
         # CPU runs compile engine programs for each new prompt length; see whale_jax/compiled.py.
         self._mappings = MappingGuard(log=self.say)
 
@@ -193,7 +194,16 @@ class WhaleRun:
     def setup(self) -> None:
         c = self.config
         os.makedirs(self.root, exist_ok=True)
-        self.say(f"run directory {os.path.abspath(self.root)}")
+        self.mirror = None
+        if c.mirror:
+            from whale_jax.loop.mirror import Mirror
+
+            # Before anything is written here: a fresh VM's empty run directory is filled from
+            # the mirror, so the resume below finds the config, metrics and archive it needs.
+            self.mirror = Mirror(self.root, c.mirror, log=self.say)
+            self.mirror.restore()
+        self.say(f"run directory {os.path.abspath(self.root)}"
+                 + (f", mirrored to {c.mirror}" if c.mirror else ""))  # fmt: skip
         self.data: DomainData = load_domain_data(c.data)
         sizes = self.data.sizes()
         self.say(f"{c.data.domain}: {self.data.source}; splits {sizes}"
@@ -332,11 +342,22 @@ class WhaleRun:
         s.trainer_step = self.trainer.step if self.trainer is not None else 0
         s.wall_s += time.monotonic() - self._t_start
         self._t_start = time.monotonic()
+        # The mirror first: a checkpoint exists only once the mirror holds what it refers to.
+        self.push_mirror()
         self.checkpoints.save(s.checkpoint, s.to_dict(), self.trainer, best=s.best_checkpoint)
         if wait:
             self.checkpoints.wait()
         self._last_save = time.monotonic()
         self._dirty = False
+
+    def push_mirror(self) -> None:
+        if self.mirror is None or jax.process_index() != 0:
+            return
+        t0 = time.monotonic()
+        n = self.mirror.push()
+        if n["copied"] or n["deleted"]:
+            self.say(f"mirror: {n['copied']} files copied, {n['deleted']} deleted "
+                     f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
 
     def maybe_save(self) -> None:
         ck = self.config.checkpoint
@@ -516,7 +537,9 @@ class WhaleRun:
             s = self.state
             if s.done:
                 self.say("this run is already finished")
-                return self.finish(already=True)
+                summary = self.finish(already=True)
+                self.push_mirror()
+                return summary
             if not resumed:
                 self.emit("start", config_hash=s.config_hash, splits=self.data.sizes(),
                           total_steps=self.plan.total_steps, method=self.plan.method)  # fmt: skip
@@ -542,7 +565,9 @@ class WhaleRun:
             s.done = True
             self.emit("end", best=s.best)
             self.save(wait=True)
-            return self.finish()
+            summary = self.finish()
+            self.push_mirror()  # the summary and the report
+            return summary
         except Preempted:
             self.save_on_preemption()
             raise
