@@ -5,7 +5,8 @@ as a whole before any work starts, and the loop (whale_jax/loop/run.py) takes it
 Rerunning the same command on the same --run_dir resumes from its last complete checkpoint.
 ``--helpfull`` lists every flag; experiments/README.md and docs/loop.md explain them.
 
-Exit status: 0 done, 1 unknown or malformed flag (absl names it), 2 bad values, contradictions,
+Exit status: 0 done, 1 unknown or malformed flag (absl names it) or the run directory's mirror
+could not be written (rerun to resume), 2 bad values, contradictions,
 missing data or a foreign checkpoint (the message names the flag or file), 143 stopped by SIGTERM
 (preemption; rerun the same command to resume).
 """
