@@ -160,7 +160,9 @@ def install(cloud: Cloud, repo: str) -> None:
         cloud.scp(tarball, "whale_jax.tar.gz")
     d = REMOTE_DIR
     cloud.ssh(
-        f"set -e; mkdir -p {d} && tar -xzf whale_jax.tar.gz -C {d} && cd {d} && "
+        # The code is replaced whole (files deleted since are gone); runs, venv and .env stay.
+        f"set -e; mkdir -p {d} && find {d} -mindepth 1 -maxdepth 1 ! -name runs ! -name .venv "
+        f"! -name .env -exec rm -rf {{}} + && tar -xzf whale_jax.tar.gz -C {d} && cd {d} && "
         "python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && "
         ".venv/bin/pip install -q -e . 'jax[tpu]' gcsfs && touch .installed"
     )

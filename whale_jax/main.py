@@ -235,7 +235,7 @@ def main(argv: list[str]) -> int:
     from absl import logging
 
     from whale_jax.loop.checkpoint import CheckpointMismatch
-    from whale_jax.loop.mirror import MirrorError
+    from whale_jax.loop.mirror import MirrorError, MirrorRefused
     from whale_jax.loop.run import PREEMPTED_EXIT, Preempted, WhaleRun
 
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
@@ -245,7 +245,7 @@ def main(argv: list[str]) -> int:
         enable_compilation_cache(F.compilation_cache_dir, config.run_dir)
         run = WhaleRun(config)
         summary = run.run(allow_config_change=F.allow_config_change)
-    except (cfg.ConfigError, CheckpointMismatch) as e:
+    except (cfg.ConfigError, CheckpointMismatch, MirrorRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except MirrorError as e:

@@ -152,3 +152,32 @@ def test_a_vm_that_loses_its_disk_resumes_from_the_mirror(tiny_model_dir, tmp_pa
     log, remote_log = local.pop("run.log"), remote.pop("run.log")
     assert log.startswith(remote_log) and log[len(remote_log) :].count("\n") <= 1
     assert remote == local and "report/report.md" in remote
+
+
+def test_a_foreign_destination_stops_the_run_as_bad_input(tiny_model_dir, tmp_path):
+    mirror = tmp_path / "shared"
+    write(mirror / "someone-elses.csv", "a,b\n")
+    args = small_run_flags(str(tmp_path / "run"), tiny_model_dir, run_dir_mirror=str(mirror))
+    done = run_main(args)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "choose an empty path" in done.stderr
+    assert tree(mirror) == {"someone-elses.csv": "a,b\n"}
+
+
+def test_sigterm_with_a_broken_mirror_saves_nothing_and_exits_143(tiny_model_dir, tmp_path):
+    """The mirror comes first: when it cannot be written at the preemption save, no checkpoint is
+    made (it would refer to files the mirror lacks) and the run still stops as preempted."""
+    run_dir, mirror = str(tmp_path / "run"), tmp_path / "bucket" / "run"
+    args = small_run_flags(run_dir, tiny_model_dir, run_dir_mirror=str(mirror), weight_epochs=2,
+                           eval_every_epochs=0, checkpoint_every_steps=0,
+                           checkpoint_every_minutes=0, preemption_grace_s=600)  # fmt: skip
+    proc = start(args)
+    wait_for_lines(proc, run_dir, 3)  # start, eval, rsft 1
+    shutil.move(mirror, tmp_path / "elsewhere")
+    mirror.write_text("the bucket is gone")  # every copy into it now fails
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 143, out[-3000:]
+    assert "preempted: not saved" in out and "failed 3 times" in out
+    checkpoints = os.path.join(str(tmp_path / "elsewhere"), "checkpoints")
+    assert not os.path.exists(checkpoints) or os.listdir(checkpoints) == []

@@ -41,6 +41,11 @@ class MirrorError(RuntimeError):
     """The mirror cannot be read or written (the message names the path)."""
 
 
+class MirrorRefused(MirrorError):
+    """The destination is not this run's mirror (foreign data, an unknown manifest): bad input,
+    which rerunning does not mend."""
+
+
 def _path(url: str):
     from etils import epath
 
@@ -80,7 +85,7 @@ class Mirror:
                 data = json.loads(manifest_path.read_text())
                 files = data.get("files")
                 if data.get("version") != 1 or not isinstance(files, dict):
-                    raise MirrorError(f"{manifest_path}: not a manifest this version writes")
+                    raise MirrorRefused(f"{manifest_path}: not a manifest this version writes")
                 self._manifest = {str(k): [int(v[0]), int(v[1])] for k, v in files.items()}
                 return self._manifest
             others = (
@@ -93,7 +98,7 @@ class Mirror:
         except (OSError, ValueError, TypeError, IndexError) as e:
             raise MirrorError(f"--run_dir_mirror={self.url}: cannot read it: {e}") from e
         if others:
-            raise MirrorError(
+            raise MirrorRefused(
                 f"--run_dir_mirror={self.url}: holds {others[:5]} but no {MANIFEST}: not a run "
                 "directory's mirror; choose an empty path (nothing there was changed)"
             )

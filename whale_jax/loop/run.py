@@ -334,6 +334,9 @@ class WhaleRun:
     # ---- checkpoints ---------------------------------------------------------------------------
 
     def save(self, *, best: bool = False, wait: bool = False) -> None:
+        # The mirror first: a checkpoint exists only once the mirror holds what it refers to (a
+        # push that fails raises before anything of this save happened).
+        self.push_mirror()
         s = self.state
         s.checkpoint += 1
         if best:
@@ -342,8 +345,6 @@ class WhaleRun:
         s.trainer_step = self.trainer.step if self.trainer is not None else 0
         s.wall_s += time.monotonic() - self._t_start
         self._t_start = time.monotonic()
-        # The mirror first: a checkpoint exists only once the mirror holds what it refers to.
-        self.push_mirror()
         self.checkpoints.save(s.checkpoint, s.to_dict(), self.trainer, best=s.best_checkpoint)
         if wait:
             self.checkpoints.wait()
@@ -376,7 +377,13 @@ class WhaleRun:
             self.say(f"preempted: no time to save (a save takes ~{need:.0f}s, {left:.0f}s left "
                      "of the grace); the last complete checkpoint stands")  # fmt: skip
             return
-        self.save(wait=True)
+        from whale_jax.loop.mirror import MirrorError
+
+        try:
+            self.save(wait=True)
+        except MirrorError as e:  # the mirror comes first: no save was made
+            self.say(f"preempted: not saved ({e}); the last complete checkpoint stands")
+            return
         self.say(f"preempted: saved checkpoint {self.state.checkpoint}")
 
     # ---- evaluation ----------------------------------------------------------------------------
