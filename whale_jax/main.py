@@ -27,6 +27,14 @@ flags.DEFINE_string("run_dir", "", "Run directory (metrics, archive, checkpoints
                     "Default: runs/<domain>-<method>-seed<seed>.")  # fmt: skip
 flags.DEFINE_integer("seed", 0, "Run seed: sampling identities, data order, proposer choices.")
 flags.DEFINE_string("initial_harness", "", "Harness file to start from (default: the domain's h0).")
+# Hosts (docs/loop.md, "Several hosts"). A TPU slice's hosts find each other through the TPU
+# runtime; GPU clusters and CPU processes need jax.distributed.
+flags.DEFINE_string("coordinator_address", "", "host:port of process 0's coordinator: this job "
+                    "is one of --num_processes processes (jax.distributed.initialize).")  # fmt: skip
+flags.DEFINE_integer("num_processes", 1, "Processes in the job (with --coordinator_address).")
+flags.DEFINE_integer("process_id", 0, "This process's index, 0 .. --num_processes - 1.")
+flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() with the cluster's "
+                  "own description (SLURM, Open MPI, TPU pods, GKE) instead of the three flags.")  # fmt: skip
 flags.DEFINE_bool("allow_config_change", False, "Resume even if the config differs from the "
                   "checkpoint's (the differences are logged).")  # fmt: skip
 # Data.
@@ -228,6 +236,28 @@ def enable_compilation_cache(directory: str, run_dir: str) -> str | None:
     return directory
 
 
+def init_hosts(f=F) -> None:
+    """Joins the job's other processes before anything touches a device (a no-op alone)."""
+    if not (f.coordinator_address or f.distributed):
+        if f.num_processes != 1 or f.process_id != 0:
+            raise cfg.ConfigError("--num_processes/--process_id: need --coordinator_address")
+        return
+    import jax
+
+    if f.coordinator_address:
+        if f.num_processes < 1 or not 0 <= f.process_id < f.num_processes:
+            raise cfg.ConfigError(f"--process_id={f.process_id}: must be in 0 .. "
+                                  f"--num_processes - 1 = {f.num_processes - 1}")  # fmt: skip
+    # CPU processes exchange collectives through gloo (without it, none across processes); the
+    # setting touches only the CPU backend.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if f.coordinator_address:
+        jax.distributed.initialize(f.coordinator_address, num_processes=f.num_processes,
+                                   process_id=f.process_id)  # fmt: skip
+    else:
+        jax.distributed.initialize()
+
+
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
         print(f"unexpected arguments {argv[1:]} (flags are --name=value)", file=sys.stderr)
@@ -242,6 +272,7 @@ def main(argv: list[str]) -> int:
 
     try:
         config = config_from_flags()
+        init_hosts()
         enable_compilation_cache(F.compilation_cache_dir, config.run_dir)
         run = WhaleRun(config)
         summary = run.run(allow_config_change=F.allow_config_change)

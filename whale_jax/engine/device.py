@@ -553,7 +553,7 @@ def cache_bytes_per_slot(cfg, max_len: int, dtype=jnp.float32) -> int:
 
 def free_device_bytes(device=None) -> int | None:
     """Free memory of an accelerator (``memory_stats``), or the host's available memory on CPU."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # another host's devices have no stats here
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))

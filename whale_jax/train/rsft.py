@@ -32,7 +32,7 @@ from harness.executor import Executor
 from harness.records import EpisodeRecord
 from harness.splits import key_rank
 from whale_jax.train.rows import kept_episodes, rows_from_records
-from whale_jax.train.trainer import Trainer, process_max
+from whale_jax.train.trainer import Trainer, process_gather_json, process_max
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,6 +98,9 @@ def minibatches_of(episodes: list[EpisodeRecord], size: int, seed: int, step: in
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
+ROW_COUNTS = ("rows", "new_rows", "cut_rows", "cut_tokens", "empty_calls", "untrained_rows")
+
+
 def rsft_step(
     step: int,
     *,
@@ -136,43 +139,54 @@ def rsft_step(
         version = engine.set_params(trainer.model_state())
     t3 = time.perf_counter()
 
-    n = len(records)
+    # Counts over every host's share of the batch, so every host logs the same line and the
+    # adaptive schedule (which reads the mean reward) decides alike everywhere.
+    local = {
+        "tasks": len(mine), "episodes": len(records), "kept": len(kept),
+        "reward": sum(r.reward for r in records),
+        "prompt_tokens": sum(r.prompt_tokens for r in records),
+        "completion_tokens": sum(r.completion_tokens for r in records),
+        "scoring_s": sum(r.score_s for r in records),
+        "stop_reasons": dict(collections.Counter(r.stop_reason for r in records)),
+        # Every host's microbatches have the same shape: the mean over hosts is the global one.
+        "padded": sum(u.pad_fraction * u.microbatches for u in updates),
+        "microbatches": sum(u.microbatches for u in updates),
+        **{k: counts_total.get(k, 0) for k in ROW_COUNTS},
+    }  # fmt: skip
+    hosts = process_gather_json(local)
+    total = {k: sum(h[k] for h in hosts) for k in local if k != "stop_reasons"}
+    stops: collections.Counter = collections.Counter()
+    for h in hosts:
+        stops.update(h["stop_reasons"])
+    n = total["episodes"]
     applied = [u for u in updates if u.applied]
     tokens = sum(u.trained_tokens for u in applied)
     metrics: dict[str, Any] = {
         "step": step,
         "epoch": cursor.epochs_done(len(tasks)),
-        "tasks": len(mine),
+        "tasks": total["tasks"],
         "episodes": n,
-        "kept": len(kept),
-        "accept_rate": len(kept) / max(n, 1),
-        "mean_reward": sum(r.reward for r in records) / max(n, 1),
+        "kept": total["kept"],
+        "accept_rate": total["kept"] / max(n, 1),
+        "mean_reward": total["reward"] / max(n, 1),
         "updates": len(applied),
         "skipped_updates": sum(1 for u in updates if not u.applied and u.trained_tokens > 0),
         "loss": sum(u.loss * u.trained_tokens for u in applied) / tokens if tokens else None,
         "grad_norm": max((u.grad_norm for u in applied), default=None),
         "learning_rate": updates[-1].learning_rate if updates else None,
         "trained_tokens": tokens,
-        "pad_fraction": (
-            sum(u.pad_fraction * u.microbatches for u in updates)
-            / max(sum(u.microbatches for u in updates), 1)
-        ),
-        "rows": counts_total.get("rows", 0),
-        "new_rows": counts_total.get("new_rows", 0),
-        "cut_rows": counts_total.get("cut_rows", 0),
-        "cut_tokens": counts_total.get("cut_tokens", 0),
-        "empty_calls": counts_total.get("empty_calls", 0),
-        "untrained_rows": counts_total.get("untrained_rows", 0),
-        "prompt_tokens": sum(r.prompt_tokens for r in records),
-        "completion_tokens": sum(r.completion_tokens for r in records),
-        "stop_reasons": dict(collections.Counter(r.stop_reason for r in records)),
+        "pad_fraction": total["padded"] / max(total["microbatches"], 1),
+        **{k: total[k] for k in ROW_COUNTS},
+        "prompt_tokens": total["prompt_tokens"],
+        "completion_tokens": total["completion_tokens"],
+        "stop_reasons": dict(stops),
         "weights_version": version,
         "rollout_s": t1 - t0,
-        "scoring_s": sum(r.score_s for r in records),
+        "scoring_s": total["scoring_s"],
         "train_s": t2 - t1,
         "sync_s": t3 - t2,
         "compile_counts": trainer.compile_counts,
     }
-    if not kept:
+    if not total["kept"]:
         metrics["note"] = "no episode above the reward threshold: no update"
     return metrics, records

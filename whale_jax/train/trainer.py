@@ -150,6 +150,24 @@ def process_max(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.int64(value))))
 
 
+def process_gather_json(value) -> list:
+    """``value`` (anything JSON can hold) from every host, in process order."""
+    if jax.process_count() == 1:
+        return [value]
+    import json
+
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
+    width = process_max(raw.size)
+    padded = np.zeros(width + 8, np.uint8)
+    padded[:8] = np.frombuffer(np.int64(raw.size).tobytes(), np.uint8)
+    padded[8 : 8 + raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(r[8 : 8 + int(np.frombuffer(r[:8].tobytes(), np.int64)[0])]))
+            for r in rows]  # fmt: skip
+
+
 def process_sum(value: float) -> float:
     if jax.process_count() == 1:
         return float(value)
@@ -395,8 +413,13 @@ class Trainer:
     # -- weights out -----------------------------------------------------------------------------
     def model_state(self):
         """The master weights as an ``nnx.State`` of the model (fp32, on the trainer's mesh); an
-        engine's ``set_params`` casts and moves them into its own layout."""
-        return self.params
+        engine's ``set_params`` casts and moves them into its own layout. Across hosts, each
+        host's engine needs the whole weights: they are replicated over the mesh (a collective,
+        which every host makes at the same point of the step) and this host's copy returned."""
+        if jax.process_count() == 1:
+            return self.params
+        whole = jax.jit(lambda p: p, out_shardings=NamedSharding(self.mesh, PartitionSpec()))
+        return jax.tree.map(lambda a: a.addressable_data(0), whole(self.params))
 
     def model(self) -> Transformer:
         return nnx.merge(self._master_graphdef, self.params)
