@@ -232,6 +232,7 @@ class Trainer:
         self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(self.params)
         self.schedule = make_schedule(config.optim)
         self.step = 0  # optimizer updates applied
+        self._replicate = None  # model_state's jit, built on the first call across hosts
         self.batch_shards = int(np.prod([self.mesh.shape[a] for a in ("data", "fsdp")]))
         self._batch_sharding = NamedSharding(self.mesh, PartitionSpec(("data", "fsdp"), None))
         # [B, T, D] activations: rows over data x fsdp, like the batch (see Transformer.hidden).
@@ -418,8 +419,11 @@ class Trainer:
         which every host makes at the same point of the step) and this host's copy returned."""
         if jax.process_count() == 1:
             return self.params
-        whole = jax.jit(lambda p: p, out_shardings=NamedSharding(self.mesh, PartitionSpec()))
-        return jax.tree.map(lambda a: a.addressable_data(0), whole(self.params))
+        if self._replicate is None:  # built once: a new jit per call would compile every step
+            self._replicate = jax.jit(
+                lambda p: p, out_shardings=NamedSharding(self.mesh, PartitionSpec())
+            )
+        return jax.tree.map(lambda a: a.addressable_data(0), self._replicate(self.params))
 
     def model(self) -> Transformer:
         return nnx.merge(self._master_graphdef, self.params)
