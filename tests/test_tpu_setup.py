@@ -137,9 +137,16 @@ def test_the_launch_command_runs_in_a_shell(tmp_path):
     (home / tpu.REMOTE_DIR / ".env").write_text("export WHALE_TEST_KEY='s3 cr\"t'\n")
     t = tpu.Target(name="r1", zone="z", mirror="gs://b/r1",
                    flags=("--flagfile=experiments/math.flags", "--proposer_command=ask 'it' {prompt}"))  # fmt: skip
+    # A run left from a launch before, hung in a collective: the launch ends it first.
+    (home / tpu.REMOTE_DIR / "runs").mkdir()
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "whale_jax"])
+    (home / tpu.REMOTE_DIR / "runs" / "r1.pid").write_text(f"{leftover.pid}\n")
     t0 = time.monotonic()
-    subprocess.run(["sh", "-c", tpu.launch_command(t)], cwd=home, check=True, timeout=30)
-    assert time.monotonic() - t0 < 1.0  # in the background
+    # Output captured: the command must also let go of ssh's stdout at once.
+    done = subprocess.run(["sh", "-c", tpu.launch_command(t)], cwd=home, check=True, timeout=30,
+                          capture_output=True)  # fmt: skip
+    assert time.monotonic() - t0 < 3.0 and done.stdout == b""  # in the background
+    assert leftover.wait(timeout=5) == -9
     status = home / tpu.REMOTE_DIR / "runs" / "r1.exit"
     deadline = time.monotonic() + 20
     while not status.exists() and time.monotonic() < deadline:
@@ -173,6 +180,50 @@ def test_watch_brings_a_preempted_run_back_on_a_new_vm(fake_gcloud, monkeypatch)
     assert open(env).read() == "export WHALE_TEST_KEY=not-on-any-command-line\n"
 
 
+@pytest.mark.parametrize(
+    ("words", "job"),
+    [
+        (["running", "running"], "running"),
+        (["exit 0", "running"], "running"),  # host 0 is done, host 1 still writing its end
+        (["exit 0", "exit 0"], 0),
+        (["running", "exit 1"], 1),  # host 1 crashed: host 0 waits for it for ever
+        (["exit 143", "running"], 143),
+        (["none", "none"], "none"),
+        (["exit", "none"], "none"),  # an exit file cut short
+        (["uninstalled", "exit 0"], "uninstalled"),  # a host replaced by a fresh one
+    ],
+)
+def test_the_job_over_every_host(words, job):
+    assert tpu.combine(words) == job
+
+
+def test_watch_rides_out_failing_gcloud_calls(fake_gcloud):
+    gcloud, read = fake_gcloud([["running", "exit 0"]])
+    calls = []
+
+    def flaky(cloud):  # ssh to a VM that is coming up, then a dropped connection
+        calls.append(1)
+        if len(calls) in (2, 4):
+            raise tpu.GcloudError("ssh: connect to host: Connection refused")
+        return tpu.job_status(cloud)
+
+    logs: list[str] = []
+    cloud = tpu.Cloud(target(gcloud), log=logs.append)
+    assert tpu.watch(cloud, os.getcwd(), poll_s=0, max_restarts=3, delete_when_done=True,
+                     status=flaky) == 0  # fmt: skip
+    assert read()["launches"] == 1 and sum("gcloud failed (1 of 10" in x for x in logs) == 2
+    # Failing every time, it gives up after max_failures.
+    gcloud, read = fake_gcloud([])
+    cloud = tpu.Cloud(target(gcloud), log=logs.append)
+
+    def down(cloud):
+        raise tpu.GcloudError("ssh: Connection timed out")
+
+    assert tpu.watch(cloud, os.getcwd(), poll_s=0, max_restarts=3, delete_when_done=True,
+                     status=down, max_failures=2) == 1  # fmt: skip
+    assert "failed 3 times in a row; stopping" in logs[-1]
+
+
 def test_watch_stops_on_bad_input_and_after_max_restarts(fake_gcloud):
     gcloud, read = fake_gcloud([["exit 2"]])
     cloud = tpu.Cloud(target(gcloud), log=lambda s: None)
@@ -193,6 +244,13 @@ def test_the_command_line_checks_what_it_needs(capsys):
     assert "set from --name and --mirror" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="gs:// path"):
         tpu.launch_command(tpu.Target(name="n", zone="z", mirror="/local/disk"))
+    for bad, says in (
+        (["--name=n;reboot"], "--name='n;reboot': lowercase"),
+        (["--name=n", "--pass_env=A;rm -rf ~"], "is not a variable name"),
+    ):
+        with pytest.raises(SystemExit):
+            tpu.parse(["status", "--zone=z", *bad])
+        assert says in capsys.readouterr().err
     args, t = tpu.parse(["status", "--name=n", "--zone=z", "--no-spot", "--", "--seed=1"])
     assert args.command == "status" and not t.spot and t.flags == ("--seed=1",)
     done = subprocess.run([sys.executable, "tpu_setup/tpu.py", "--help"], capture_output=True,

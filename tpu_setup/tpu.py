@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -175,10 +176,14 @@ def launch_command(t: Target) -> str:
     flags = [*t.flags, f"--run_dir={t.run_dir}", f"--run_dir_mirror={t.mirror}",
              f"--compilation_cache_dir={t.mirror.rstrip('/')}/compile_cache"]  # fmt: skip
     run = shlex.join([".venv/bin/python", "-m", "whale_jax.main", *flags])
-    out, status = f"{t.run_dir}.out", f"{t.run_dir}.exit"
-    inner = f"{run} >> {out} 2>&1; echo $? > {status}"
+    out, status, pid = f"{t.run_dir}.out", f"{t.run_dir}.exit", f"{t.run_dir}.pid"
+    inner = f"{run} >> {out} 2>&1 & echo $! > {pid}; wait $!; echo $? > {status}"
     return (
-        f"cd {REMOTE_DIR} && mkdir -p runs && rm -f {status} && "
+        f"cd {REMOTE_DIR} && mkdir -p runs && "
+        # A run left on this host (hung in a collective after another host's exited) would hold
+        # the TPU: it goes first. Its pid is checked against its command line (pids are reused).
+        f'{{ p=$(cat {pid} 2>/dev/null); if [ -n "$p" ] && grep -qa whale_jax /proc/$p/cmdline '
+        f"2>/dev/null; then kill -9 $p; sleep 1; fi; }}; rm -f {status} {pid} && "
         "{ if [ -f .env ]; then . ./.env; fi; } && "
         f"nohup sh -c {shlex.quote(inner)} > /dev/null 2>&1 < /dev/null &"
     )
@@ -187,7 +192,9 @@ def launch_command(t: Target) -> str:
 def launch(cloud: Cloud) -> None:
     t = cloud.t
     command = launch_command(t)  # checks --mirror before anything is sent
-    if t.pass_env:
+    if not t.pass_env:  # variables sent by an earlier launch do not linger
+        cloud.ssh(f"rm -f {REMOTE_DIR}/.env")
+    else:
         missing = [k for k in t.pass_env if k not in os.environ]
         if missing:
             raise SystemExit(f"error: --pass_env: {', '.join(missing)} not set here")
@@ -203,24 +210,44 @@ def launch(cloud: Cloud) -> None:
 
 
 def job_status(cloud: Cloud) -> str | int:
-    """On host 0: "uninstalled", "running", "none" (installed, never started or the VM
-    restarted), or the run's exit status."""
+    """The run over every host: "uninstalled", "running", "none" (installed, never started or
+    the VM restarted), or an exit status (see ``combine``)."""
     t = cloud.t
     probe = (
         f"cd {REMOTE_DIR} 2>/dev/null && [ -f .installed ] || {{ echo uninstalled; exit 0; }}; "
         "if pgrep -f 'whale_jax[.]main' > /dev/null; then echo running; "
         f"elif [ -f {t.run_dir}.exit ]; then echo exit $(cat {t.run_dir}.exit); else echo none; fi"
     )
-    out = cloud.ssh(probe, worker="0", capture=True).stdout.strip().splitlines()
-    word = out[-1].strip() if out else ""
-    if word.startswith("exit "):
+    out = cloud.ssh(probe, capture=True).stdout.splitlines()
+    words = [x.strip() for x in out if x.strip().split(" ")[0] in HOST_STATES]
+    if not words:
+        raise GcloudError(f"unexpected status from {t.name}: {out[-3:]}")
+    return combine(words)
+
+
+HOST_STATES = ("uninstalled", "running", "none", "exit")
+
+
+def combine(words: list[str]) -> str | int:
+    """One status from each host's line. A host that exited with an error while others still
+    run has stopped the job (the rest wait in a collective for it): its status is the job's, and
+    the relaunch ends the leftovers. An exit file cut short reads as "none"."""
+    codes: list[int] = []
+    for word in words:
         try:
-            return int(word.split()[1])
+            codes.append(int(word.split()[1]) if word.startswith("exit ") else -1)
         except (IndexError, ValueError):
-            return "none"  # an exit file cut short: the run did not finish cleanly
-    if word in ("uninstalled", "running", "none"):
-        return word
-    raise GcloudError(f"unexpected status from {t.name} host 0: {out[-3:]}")
+            codes.append(-1)
+    if "uninstalled" in words:
+        return "uninstalled"
+    failed = [c for c in codes if c > 0]
+    if failed:
+        return failed[0]
+    if "running" in words:
+        return "running"
+    if all(c == 0 for c in codes):
+        return 0
+    return "none"
 
 
 def decide(state: str, job: str | int | None, restarts: int, max_restarts: int) -> str:
@@ -248,11 +275,21 @@ def decide(state: str, job: str | int | None, restarts: int, max_restarts: int) 
 
 
 def watch(cloud: Cloud, repo: str, *, poll_s: float, max_restarts: int, delete_when_done: bool,
-          status: Callable[[Cloud], str | int] = job_status) -> int:  # fmt: skip
-    restarts, last = 0, None
+          status: Callable[[Cloud], str | int] = job_status, max_failures: int = 10) -> int:  # fmt: skip
+    restarts, last, failures = 0, None, 0
     while True:
-        state = cloud.state()
-        job = status(cloud) if state == "ACTIVE" else None
+        try:
+            state = cloud.state()
+            job = status(cloud) if state == "ACTIVE" else None
+        except GcloudError as e:  # a VM taken between two calls, ssh not up yet, the network
+            failures += 1
+            if failures > max_failures:
+                cloud.log(f"gcloud failed {failures} times in a row; stopping: {e}")
+                return 1
+            cloud.log(f"gcloud failed ({failures} of {max_failures} in a row): {e}")
+            time.sleep(poll_s)
+            continue
+        failures = 0
         action = decide(state, job, restarts, max_restarts)
         if (state, job, action) != last:
             cloud.log(f"{cloud.t.name}: {state}" + (f", run {job}" if job is not None else "")
@@ -265,13 +302,17 @@ def watch(cloud: Cloud, repo: str, *, poll_s: float, max_restarts: int, delete_w
             while cloud.state() != NOT_FOUND:
                 time.sleep(poll_s)
             cloud.create()
-        elif action == "install":
-            install(cloud, repo)
-        elif action == "launch":
-            if isinstance(job, int) and job != PREEMPTED:
+        elif action in ("install", "launch"):
+            if action == "launch" and isinstance(job, int) and job != PREEMPTED:
                 restarts += 1
                 cloud.log(f"the run exited with status {job}: restart {restarts} of {max_restarts}")
-            launch(cloud)
+            try:
+                if action == "install":
+                    install(cloud, repo)
+                else:
+                    launch(cloud)
+            except GcloudError as e:  # looked at again next pass (the VM may be gone)
+                cloud.log(f"{action} failed: {e}")
         elif action == "done":
             cloud.log(f"the run finished; its run directory is mirrored at {cloud.t.mirror}")
             if delete_when_done:
@@ -315,6 +356,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Target]:
     ap.add_argument("--gcloud", default="gcloud", help="the gcloud binary")
     ap.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     args = ap.parse_args(argv)
+    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", args.name):
+        ap.error(f"--name={args.name!r}: lowercase letters, digits and '-', starting with a letter")
+    bad = [k for k in args.pass_env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
+    if bad:
+        ap.error(f"--pass_env: {', '.join(map(repr, bad))} is not a variable name")
     target = Target(name=args.name, zone=args.zone, accelerator=args.accelerator,
                     runtime=args.runtime, mirror=args.mirror, project=args.project,
                     spot=args.spot, flags=tuple(main_flags), pass_env=tuple(args.pass_env),

@@ -64,6 +64,10 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling (the paper: 1.0).")
 flags.DEFINE_integer("top_k", 20, "Top-k sampling (the paper: 20; 0: off).")
 flags.DEFINE_integer("max_new_tokens", 1024, "Default completion length of a model call.")
 flags.DEFINE_integer("concurrency", 0, "Episodes in flight (0: twice --engine_slots).")
+flags.DEFINE_integer("engine_cache_rows", 0, "Decode states the engine keeps (parked sessions, "
+                     "prompt prefixes; each costs a slot's memory). 0: one per episode in "
+                     "flight, fewer if they would take over a quarter of the memory left after "
+                     "the weights, optimizer state and slots, never fewer than --engine_slots.")  # fmt: skip
 flags.DEFINE_enum("sandbox", "", ["", "strict", "shared_uid", "landlock"], "Sandbox mode "
                   "(empty: $WHALE_SANDBOX or strict); docs/harness.md.")  # fmt: skip
 # RSFT.
@@ -180,6 +184,7 @@ def config_from_flags(f=F) -> cfg.RunConfig:
             model=f.model, dtype=f.dtype, engine_slots=f.engine_slots, max_len=f.max_len,
             temperature=f.temperature, top_p=f.top_p, top_k=f.top_k,
             max_new_tokens=f.max_new_tokens, concurrency=f.concurrency, sandbox=f.sandbox,
+            engine_cache_rows=f.engine_cache_rows,
         ),
         rsft=built(rsft_flags, lambda: RSFTConfig(
             prompt_batch=f.prompt_batch, samples=f.samples, reward_threshold=f.reward_threshold,

@@ -7,6 +7,7 @@ differently by ~1e-6 of the logits' scale; a token can then differ only at a nea
 size (greedy) or a Gumbel-max draw that close (sampled), about 1e-6 per token. Greedy tokens are
 also checked against the full forward, teacher-forced."""
 
+import functools
 import random
 
 import jax
@@ -16,6 +17,7 @@ from flax import nnx
 from tests.engine.conftest import assert_greedy
 from tests.engine.test_engine import SAMPLED, greedy, prompts_for
 from whale_jax.engine import Engine, EngineConfig, Request
+from whale_jax.engine.device import auto_cache_rows, cache_bytes_per_slot
 from whale_jax.engine.prefix_cache import PrefixIndex, branch_points
 
 # -- the index -----------------------------------------------------------------------------------
@@ -272,6 +274,15 @@ def test_a_cache_too_small_gives_the_same_tokens_within_its_budget(tiny_qwen3_5)
     assert stats["evictions"] > 0  # under pressure all along
     assert stats["computed_tokens"] < stats["prompt_tokens"]  # and still sharing
     small.close()
+
+
+def test_the_loop_sizes_its_cache_for_the_episodes_in_flight_within_memory(tiny_qwen3_5):
+    _, cfg, _ = tiny_qwen3_5
+    row = cache_bytes_per_slot(cfg, 512)
+    rows = functools.partial(auto_cache_rows, cfg, 512, slots=8, episodes=16)
+    assert rows(free_bytes=1000 * row) == 16  # one per episode when a quarter holds them
+    assert rows(free_bytes=8 * row + 4 * 12 * row) == 12  # a quarter of what the slots leave
+    assert rows(free_bytes=8 * row) == 8 and rows(free_bytes=None) == 8  # never below slots
 
 
 def test_new_weights_drop_every_kept_state(setup):

@@ -98,6 +98,29 @@ def test_a_destination_holding_other_data_is_refused_and_left_alone(run_dir, tmp
     assert (ok / "notes.txt").exists() and not (ok / "config.json").exists()
 
 
+def test_a_first_push_cut_short_leaves_a_mirror_the_run_still_owns(run_dir, tmp_path):
+    dest = tmp_path / "mirror"
+    mirror = Mirror(str(run_dir), str(dest), log=lambda s: None, attempts=1)
+    put = mirror._put
+    sent: list[str] = []
+
+    def dies_after_one_file(src, rel):  # the VM is gone after the first file
+        if sent:
+            raise OSError("connection reset")
+        sent.append(rel)
+        put(src, rel)
+
+    mirror._put = dies_after_one_file
+    with pytest.raises(MirrorError, match="connection reset"):
+        mirror.push()
+    assert len(sent) == 1 and (dest / sent[0]).exists()
+    assert json.loads((dest / MANIFEST).read_text())["files"] == {}
+    # The restarted run is not refused: nothing is restored (no save was made), then it pushes.
+    fresh = tmp_path / "new-vm" / "run"
+    assert Mirror(str(fresh), str(dest), log=lambda s: None).restore() == 0
+    assert Mirror(str(run_dir), str(dest), log=lambda s: None).push()["copied"] == 3
+
+
 def test_a_failing_destination_is_retried_then_named(run_dir, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -131,6 +154,12 @@ def test_a_vm_that_loses_its_disk_resumes_from_the_mirror(tiny_model_dir, tmp_pa
     base = str(tmp_path / "base")
     done = run_main(small_run_flags(base, tiny_model_dir))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # A mirror gained on resume moves the default checkpoint directory: refused, not restarted.
+    before = metric_lines(base)
+    moved = run_main(small_run_flags(base, tiny_model_dir, run_dir_mirror=str(tmp_path / "m")))
+    assert moved.returncode == 2, moved.stdout[-3000:] + moved.stderr[-3000:]
+    assert f"pass --checkpoint_dir={base}/checkpoints" in moved.stderr
+    assert metric_lines(base) == before
     run_dir, mirror = str(tmp_path / "vm" / "run"), str(tmp_path / "bucket" / "run")
     args = small_run_flags(run_dir, tiny_model_dir, run_dir_mirror=mirror)
     proc = start(args)

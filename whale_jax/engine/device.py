@@ -567,6 +567,21 @@ def free_device_bytes(device=None) -> int | None:
     return None
 
 
+def auto_cache_rows(
+    cfg, max_len: int, *, slots: int, episodes: int, free_bytes: int | None,
+    dtype=jnp.float32, share: float = 0.25,
+) -> int:  # fmt: skip
+    """Prefix-cache rows for ``episodes`` in flight: one each (a session parks its decode state
+    between turns, and a state evicted there is prefilled again), fewer where they would take
+    more than ``share`` of the memory ``free_bytes`` leaves once the engine's ``slots`` are
+    resident, never fewer than ``slots`` (the engine's own default)."""
+    if free_bytes is None:
+        return slots
+    per_row = cache_bytes_per_slot(cfg, max_len, dtype)
+    fit = int((free_bytes - slots * per_row) * share // per_row)
+    return max(slots, min(episodes, fit))
+
+
 def max_slots(
     cfg, max_len: int, *, free_bytes: int, dtype=jnp.float32, cache_ratio: float = 1.0,
     reserve: float = 0.1,

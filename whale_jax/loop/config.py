@@ -60,6 +60,7 @@ class ModelSettings:
     top_k: int = 20
     max_new_tokens: int = 1024
     concurrency: int = 0  # episodes in flight (0: twice the engine slots)
+    engine_cache_rows: int = 0  # prefix-cache rows (0: one per episode in flight, memory allowing)
     sandbox: str = ""  # strict | shared_uid | landlock ("": $WHALE_SANDBOX or strict)
 
 
@@ -156,6 +157,7 @@ OPERATIONAL = (
     "proposer.timeout_s",
     "proposer.api_key_env",
     "model.concurrency",
+    "model.engine_cache_rows",
     "model.sandbox",
 )
 
@@ -232,6 +234,8 @@ def validate(config: RunConfig) -> None:
     need(e.samples >= 1, "eval_samples", "must be at least 1")
     need(e.every_epochs >= 0, "eval_every_epochs", "must be >= 0")
     need(m.engine_slots >= 1, "engine_slots", "must be at least 1")
+    need(m.concurrency >= 0, "concurrency", "must be >= 0 (0: twice --engine_slots)")
+    need(m.engine_cache_rows >= 0, "engine_cache_rows", "must be >= 0 (0: by memory)")
     need(m.max_new_tokens >= 1, "max_new_tokens", "must be at least 1")
     need(m.max_new_tokens < m.max_len, "max_new_tokens",
          f"{m.max_new_tokens} leaves no room for a prompt in --max_len={m.max_len}")  # fmt: skip

@@ -11,7 +11,8 @@ keeps a copy of the run directory at a URL (``gs://bucket/path``, or any local p
   last. A save is therefore only ever made when the mirror holds everything it refers to; a push
   cut short leaves the previous checkpoint standing with a mirror that holds at least what it
   needs (files only grow or are added between saves; a resume cuts back the metrics and moves
-  aside phases past its checkpoint).
+  aside phases past its checkpoint). A destination is claimed with an empty manifest before
+  its first file is copied, so a first push cut short leaves a mirror this run recognises.
 - **restore** when a run starts and its local run directory has no ``config.json`` (a fresh VM):
   the files the manifest lists are copied down with their recorded mtimes, so the next push sends
   only what changes. A local run directory that has ``config.json`` is newer than its mirror and
@@ -57,6 +58,10 @@ def _copy(src, dst) -> None:
         shutil.copyfileobj(f, g, _CHUNK)
 
 
+def _manifest(files: dict[str, list[int]]) -> dict[str, Any]:
+    return {"version": 1, "written": round(time.time(), 3), "files": files}
+
+
 class Mirror:
     def __init__(
         self,
@@ -71,6 +76,7 @@ class Mirror:
         self.attempts, self.backoff_s = attempts, backoff_s
         self._remote = _path(self.url)
         self._manifest: dict[str, list[int]] | None = None  # what the mirror holds, once read
+        self._claimed = False  # the destination holds a manifest (ours)
 
     # ---- reading the mirror --------------------------------------------------------------------
 
@@ -87,6 +93,7 @@ class Mirror:
                 if data.get("version") != 1 or not isinstance(files, dict):
                     raise MirrorRefused(f"{manifest_path}: not a manifest this version writes")
                 self._manifest = {str(k): [int(v[0]), int(v[1])] for k, v in files.items()}
+                self._claimed = True
                 return self._manifest
             others = (
                 sorted(p.name for p in self._remote.iterdir() if p.name not in NOT_MIRRORED)
@@ -152,9 +159,13 @@ class Mirror:
         """Makes the mirror equal the run directory (except what is not mirrored); returns the
         counts of files copied and deleted. Raises MirrorError after ``attempts`` tries."""
         old = dict(self._read_manifest())
+        if not self._claimed:
+            # An empty manifest before the first file: a first push cut short leaves a
+            # destination this run still recognises as its own, not a foreign one it refuses.
+            self._retry(f"writing {MANIFEST}", lambda: self._write_manifest(_manifest({})))
+            self._claimed = True
         local = self.local_files()
         changed = sorted(rel for rel, st in local.items() if old.get(rel) != st)
-        gone = sorted(set(old) - set(local))
         for rel in changed:
             # A file removed between the walk and its copy is left out of this push.
             src = os.path.join(self.root, rel)
@@ -162,12 +173,12 @@ class Mirror:
                 local.pop(rel)
                 continue
             self._retry(f"copying {rel} to it", lambda r=rel, s=src: self._put(s, r))
+        gone = sorted(set(old) - set(local))  # after the copies: a file removed meanwhile too
         for rel in gone:
             self._retry(
                 f"deleting {rel} from it", lambda r=rel: (self._remote / r).unlink(missing_ok=True)
             )
-        manifest = {"version": 1, "written": round(time.time(), 3), "files": local}
-        self._retry(f"writing {MANIFEST}", lambda: self._write_manifest(manifest))
+        self._retry(f"writing {MANIFEST}", lambda: self._write_manifest(_manifest(local)))
         self._manifest = local
         return {"copied": len(changed), "deleted": len(gone)}
 

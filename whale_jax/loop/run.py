@@ -150,6 +150,7 @@ class WhaleRun:
         self.root = config.run_dir
         self._print = log or (lambda s: print(s, flush=True))
         self._term_at: float | None = None
+        self._push_s = 0.0  # the last mirror push's duration (a preemption save pushes first)
         self._t_start = time.monotonic()
         self._last_save = time.monotonic()
         self._dirty = False
@@ -186,8 +187,20 @@ class WhaleRun:
             self._print("SIGTERM: stopping at the next safe point (saving if time allows)")
 
     def _check_term(self) -> None:
-        if self._term_at is not None:
+        if self._agreed(self._term_at is not None):  # every host stops at the same step
+            if self._term_at is None:  # another host was told first
+                self._term_at = time.monotonic()
             raise Preempted()
+
+    def _agreed(self, flag: bool) -> bool:
+        """``flag`` or-ed over hosts. A choice that leads into a collective (a checkpoint save,
+        stopping) is made once, the same on every host: a host that went alone into Orbax's
+        barrier, or stopped while the others trained, would hang the job."""
+        if jax.process_count() == 1:
+            return bool(flag)
+        from whale_jax.train.trainer import process_max
+
+        return bool(process_max(int(bool(flag))))
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -218,6 +231,7 @@ class WhaleRun:
         import jax.numpy as jnp
 
         from whale_jax.client import EngineClient
+        from whale_jax.engine.device import auto_cache_rows, free_device_bytes
         from whale_jax.loading import load_model
 
         t0 = time.monotonic()
@@ -225,23 +239,30 @@ class WhaleRun:
         model, _, tokenizer = load_model(c.model.model, dtype=dtype)
         if tokenizer is None:
             raise ConfigError(f"--model={c.model.model}: the checkpoint ships no tokenizer")
-        self.client = EngineClient(model, tokenizer, slots=c.model.engine_slots,
-                                   max_len=c.model.max_len, seed=c.seed)  # fmt: skip
         m = c.model
-        settings = SamplingSettings(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
-                                    max_new_tokens=m.max_new_tokens)  # fmt: skip
-        exec_config = ExecutorConfig(
-            concurrency=m.concurrency or 2 * m.engine_slots, default_settings=settings,
-            run_seed=c.seed, **({"sandbox": Policy(mode=m.sandbox)} if m.sandbox else {}),
-        )  # fmt: skip
-        self.executor = Executor(self.client, exec_config)
         self.trainer = None
-        if c.trains:
+        if c.trains:  # before the engine, whose cache is sized by the memory left after it
             from whale_jax.train.trainer import Trainer
 
             self.trainer = Trainer(model, c.train)
+        concurrency = m.concurrency or 2 * m.engine_slots
+        cache_rows = m.engine_cache_rows or auto_cache_rows(
+            model.cfg, m.max_len, slots=m.engine_slots, episodes=concurrency,
+            free_bytes=free_device_bytes(), dtype=model.dtype,
+        )  # fmt: skip
+        self.client = EngineClient(model, tokenizer, slots=m.engine_slots, max_len=m.max_len,
+                                   seed=c.seed, cache_rows=cache_rows)  # fmt: skip
+        settings = SamplingSettings(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
+                                    max_new_tokens=m.max_new_tokens)  # fmt: skip
+        exec_config = ExecutorConfig(
+            concurrency=concurrency, default_settings=settings,
+            run_seed=c.seed, **({"sandbox": Policy(mode=m.sandbox)} if m.sandbox else {}),
+        )  # fmt: skip
+        self.executor = Executor(self.client, exec_config)
+        mem = self.client.engine.memory
         self.say(f"model {c.model.model} loaded in {time.monotonic() - t0:.1f}s "
-                 f"({model.cfg.num_params() / 1e6:.1f}M parameters)")  # fmt: skip
+                 f"({model.cfg.num_params() / 1e6:.1f}M parameters); engine: {m.engine_slots} "
+                 f"slots, {mem['cache_rows']} cache rows of {mem['slot_bytes'] / 2**20:.1f} MiB")  # fmt: skip
         if c.searches and jax.process_count() > 1:
             # Every host would run its own proposer; LLM proposals differ, so hosts would accept
             # different harnesses. Until proposals are broadcast from one host, refuse.
@@ -251,7 +272,34 @@ class WhaleRun:
         self.archive = Archive(os.path.join(self.root, "archive"))
         self.proposer = CountingProposer(build_proposer(c)) if c.searches else None
         self.checkpoints = Checkpoints(c.checkpoint_dir, keep=c.checkpoint.keep, log=self.say)
+        if jax.process_count() > 1:
+            self._check_shared_checkpoints()
         self.metrics = MetricsLog(os.path.join(self.root, "metrics.jsonl"))
+
+    def _check_shared_checkpoints(self) -> None:
+        """Orbax writes each host's shards of a checkpoint into one directory: a directory local
+        to each host would scatter them (and a resume would find none whole). Host 0 writes a
+        file there; every host must see it."""
+        from etils import epath
+
+        from whale_jax.train.trainer import process_gather_json
+
+        root = epath.Path(self.config.checkpoint_dir)
+        host0 = jax.process_index() == 0
+        token = process_gather_json(os.urandom(8).hex() if host0 else "")[0]
+        mark = root / f".hosts-{token}"
+        if host0:
+            root.mkdir(parents=True, exist_ok=True)
+            mark.write_text("written by host 0; each host checks it sees it\n")
+        process_gather_json(0)  # written before anyone looks
+        blind = process_gather_json(not mark.exists())
+        if host0:
+            mark.unlink(missing_ok=True)
+        if any(blind):
+            hosts = [i for i, b in enumerate(blind) if b]
+            raise ConfigError(f"--checkpoint_dir={self.config.checkpoint_dir}: hosts {hosts} "
+                              "do not see what host 0 writes there; every host must reach the "
+                              "same directory (a gs:// bucket or a shared file system)")  # fmt: skip
 
     # ---- state: fresh or resumed ---------------------------------------------------------------
 
@@ -261,7 +309,17 @@ class WhaleRun:
     def start_or_resume(self, allow_config_change: bool) -> bool:
         """Loads the newest readable checkpoint (True) or starts fresh (False)."""
         c, h = self.config, config_hash(self.config)
+        old = read_json(self._config_file()) if os.path.exists(self._config_file()) else {}
         restored = self.checkpoints.restore(self.trainer)
+        saved_in = old.get("checkpoint_dir")
+        if restored is None and saved_in and saved_in != c.checkpoint_dir:
+            # Starting over would discard the run's metrics and phases: its checkpoints are
+            # elsewhere (the default directory follows --run_dir_mirror).
+            raise ConfigError(
+                f"{self.root}: this run keeps its checkpoints in {saved_in}, but they now resolve "
+                f"to {c.checkpoint_dir}, which holds none (--checkpoint_dir or --run_dir_mirror "
+                f"changed); pass --checkpoint_dir={saved_in} to resume, or choose a new --run_dir"
+            )
         if restored is None:
             if self.metrics.lines:
                 self.say(f"no checkpoint: starting over ({self.metrics.lines} metric lines of an "
@@ -271,13 +329,12 @@ class WhaleRun:
             self.state = LoopState(config_hash=h, seed=c.seed)
             self.state.harness = self._initial_harness()
             self.cursor = DataCursor(seed=c.seed)
-            write_json(self._config_file(), {"hash": h, "config": c.to_dict()})
+            self._write_config(h)
             self.tb = TensorBoard(os.path.join(self.root, "tensorboard")) if c.tensorboard else None
             return False
         index, raw = restored
         state = LoopState.from_dict(raw)
         if state.config_hash != h:
-            old = read_json(self._config_file()) if os.path.exists(self._config_file()) else {}
             diff = config_diff(strip_operational(old.get("config", {})), hashed_view(c))
             if not allow_config_change:
                 raise ConfigError(
@@ -288,7 +345,9 @@ class WhaleRun:
                 )
             self.say(f"config changed on resume (allowed): {'; '.join(diff)}")
             state.config_hash = h
-            write_json(self._config_file(), {"hash": h, "config": c.to_dict()})
+            self._write_config(h)
+        elif saved_in != c.checkpoint_dir:  # resumed from checkpoints moved by --checkpoint_dir
+            self._write_config(h)
         self.state = state
         self.cursor = (
             DataCursor.from_dict(state.cursor) if state.cursor else DataCursor(seed=c.seed)
@@ -303,6 +362,10 @@ class WhaleRun:
         self.say(f"resumed from checkpoint {index}: step {state.step}, phases done "
                  f"{state.phases}, next {state.phase}; {dropped} metric lines after it dropped")  # fmt: skip
         return True
+
+    def _write_config(self, config_hash_: str) -> None:
+        write_json(self._config_file(), {"hash": config_hash_, "config": self.config.to_dict(),
+                                         "checkpoint_dir": self.config.checkpoint_dir})  # fmt: skip
 
     def _initial_harness(self) -> dict[str, Any]:
         path = self.config.initial_harness
@@ -352,28 +415,42 @@ class WhaleRun:
         self._dirty = False
 
     def push_mirror(self) -> None:
-        if self.mirror is None or jax.process_index() != 0:
+        """Host 0 pushes; every host learns whether it failed (and then raises MirrorError), so
+        none goes on into a save the others skip."""
+        if self.mirror is None:
             return
-        t0 = time.monotonic()
-        n = self.mirror.push()
-        if n["copied"] or n["deleted"]:
-            self.say(f"mirror: {n['copied']} files copied, {n['deleted']} deleted "
-                     f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
+        from whale_jax.loop.mirror import MirrorError
+
+        error: MirrorError | None = None
+        if jax.process_index() == 0:
+            t0 = time.monotonic()
+            try:
+                n = self.mirror.push()
+            except MirrorError as e:
+                error = e
+            else:
+                if n["copied"] or n["deleted"]:
+                    self.say(f"mirror: {n['copied']} files copied, {n['deleted']} deleted "
+                             f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
+            self._push_s = time.monotonic() - t0
+        if self._agreed(error is not None):
+            raise error or MirrorError(f"--run_dir_mirror={self.config.mirror}: host 0's push "
+                                       "failed (its log names why)")  # fmt: skip
 
     def maybe_save(self) -> None:
         ck = self.config.checkpoint
         by_steps = ck.every_steps and self.state.step % ck.every_steps == 0
         by_time = ck.every_minutes and time.monotonic() - self._last_save >= 60 * ck.every_minutes
-        if self._dirty and (by_steps or by_time):
+        if self._agreed(self._dirty and bool(by_steps or by_time)):  # hosts' clocks differ
             self.save()
 
     def save_on_preemption(self) -> None:
         if not self._dirty:
             self.say("preempted: nothing new since the last checkpoint")
             return
-        need = self.checkpoints.estimate_s(self.trainer)
+        need = self.checkpoints.estimate_s(self.trainer) + self._push_s  # the mirror goes first
         left = self.config.checkpoint.preemption_grace_s - (time.monotonic() - self._term_at)
-        if need > left:
+        if self._agreed(need > left):
             self.say(f"preempted: no time to save (a save takes ~{need:.0f}s, {left:.0f}s left "
                      "of the grace); the last complete checkpoint stands")  # fmt: skip
             return
@@ -420,7 +497,7 @@ class WhaleRun:
         line = self.emit("eval", **{k_: v for k_, v in out.items()}, samples=k)
         self.say(f"eval ({reason}, step {s.step}, harness {s.harness['id']}): mean@{k} "
                  + ", ".join(f"{n} {out[n]:.3f}" for n in ("test", "validation") if n in out))  # fmt: skip
-        if new_best_val:
+        if self._agreed(new_best_val):
             self.save(best=True)
         return line
 
@@ -495,6 +572,10 @@ class WhaleRun:
             self.say(f"harness phase {index}: {line}")
             if line.startswith("iteration"):
                 bar.update(1)
+                # The archive is the phase's checkpoint: mirrored as each iteration starts (its
+                # proposals written, the iteration before evaluated), a VM that loses its disk
+                # redoes at most one iteration's evaluations, and no paid proposals.
+                self.push_mirror()
 
         phase = HarnessPhase(
             archive=self.archive, index=index, domain=self.data.domain, executor=self.executor,

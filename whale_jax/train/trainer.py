@@ -416,14 +416,18 @@ class Trainer:
         """The master weights as an ``nnx.State`` of the model (fp32, on the trainer's mesh); an
         engine's ``set_params`` casts and moves them into its own layout. Across hosts, each
         host's engine needs the whole weights: they are replicated over the mesh (a collective,
-        which every host makes at the same point of the step) and this host's copy returned."""
+        which every host makes at the same point of the step) and this host's copy returned.
+        Leaf by leaf, each waited for: a device holds one more whole leaf at a time beside its
+        shards, not a whole extra model (fp32 4B: 16 GB)."""
         if jax.process_count() == 1:
             return self.params
         if self._replicate is None:  # built once: a new jit per call would compile every step
             self._replicate = jax.jit(
                 lambda p: p, out_shardings=NamedSharding(self.mesh, PartitionSpec())
             )
-        return jax.tree.map(lambda a: a.addressable_data(0), self._replicate(self.params))
+        return jax.tree.map(
+            lambda a: self._replicate(a).addressable_data(0).block_until_ready(), self.params
+        )
 
     def model(self) -> Transformer:
         return nnx.merge(self._master_graphdef, self.params)
