@@ -40,6 +40,8 @@ class ThreadSampler:
         self._switch: float | None = None  # the switch interval to restore on stop
 
     def start(self) -> None:
+        if self._sampler is not None:
+            raise RuntimeError("ThreadSampler.start: already started (one sampler, one run)")
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch, self.interval / 4))
         self._sampler = threading.Thread(target=self._run, name="thread-sampler", daemon=True)

@@ -65,7 +65,7 @@ flags.DEFINE_integer("top_k", 20, "Top-k sampling (the paper: 20; 0: off).")
 flags.DEFINE_integer("max_new_tokens", 1024, "Default completion length of a model call.")
 flags.DEFINE_integer("concurrency", 0, "Episodes in flight (0: twice --engine_slots).")
 flags.DEFINE_integer("engine_cache_rows", 0, "Decode states the engine keeps (parked sessions, "
-                     "prompt prefixes; each costs a slot's memory). 0: one per episode in "
+                     "prompt prefixes; each costs a slot's memory). 0: two per episode in "
                      "flight, fewer if they would take over a quarter of the memory left after "
                      "the weights, optimizer state and slots, never fewer than --engine_slots.")  # fmt: skip
 flags.DEFINE_enum("sandbox", "", ["", "strict", "shared_uid", "landlock"], "Sandbox mode "

@@ -280,7 +280,7 @@ def test_the_loop_sizes_its_cache_for_the_episodes_in_flight_within_memory(tiny_
     _, cfg, _ = tiny_qwen3_5
     row = cache_bytes_per_slot(cfg, 512)
     rows = functools.partial(auto_cache_rows, cfg, 512, slots=8, episodes=16)
-    assert rows(free_bytes=1000 * row) == 16  # one per episode when a quarter holds them
+    assert rows(free_bytes=1000 * row) == 32  # two per episode when a quarter holds them
     assert rows(free_bytes=8 * row + 4 * 12 * row) == 12  # a quarter of what the slots leave
     assert rows(free_bytes=8 * row) == 8 and rows(free_bytes=None) == 8  # never below slots
 

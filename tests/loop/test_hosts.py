@@ -4,7 +4,6 @@ logs the same lines with the whole batch's counts, so their schedules cannot div
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -13,6 +12,7 @@ import subprocess
 import time
 
 from tests.loop.conftest import REPO, main_command, run_main, small_run_flags
+from tests.loop.test_run import metric_lines
 
 
 def lines_of(run_dir: str) -> list[dict]:
@@ -22,8 +22,7 @@ def lines_of(run_dir: str) -> list[dict]:
         return {k: steady(v) if isinstance(v, dict) else v for k, v in d.items()
                 if k != "time" and not k.endswith("_s")}  # fmt: skip
 
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [steady(json.loads(x)) for x in f if x.strip()]
+    return [steady(x) for x in metric_lines(run_dir)]
 
 
 def free_port() -> int:
@@ -80,9 +79,7 @@ def test_sigterm_on_one_host_stops_both_at_the_same_step(tiny_model_dir, tmp_pat
                         preemption_grace_s=600)  # fmt: skip
     host1 = str(tmp_path / "host1")
     deadline = time.monotonic() + 240
-    while not os.path.exists(f"{host1}/metrics.jsonl") or not any(
-        x["kind"] == "rsft" for x in lines_of(host1)
-    ):
+    while not any(x["kind"] == "rsft" for x in lines_of(host1)):
         assert procs[1].poll() is None and time.monotonic() < deadline, "host 1 did not step"
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)

@@ -197,16 +197,18 @@ def test_sigterm_with_a_broken_mirror_saves_nothing_and_exits_143(tiny_model_dir
     """The mirror comes first: when it cannot be written at the preemption save, no checkpoint is
     made (it would refer to files the mirror lacks) and the run still stops as preempted."""
     run_dir, mirror = str(tmp_path / "run"), tmp_path / "bucket" / "run"
+    checkpoints = str(tmp_path / "checkpoints")  # apart from the mirror: a save there would work
     args = small_run_flags(run_dir, tiny_model_dir, run_dir_mirror=str(mirror), weight_epochs=2,
-                           eval_every_epochs=0, checkpoint_every_steps=0,
+                           checkpoint_dir=checkpoints, eval_every_epochs=0, checkpoint_every_steps=0,
                            checkpoint_every_minutes=0, preemption_grace_s=600)  # fmt: skip
     proc = start(args)
     wait_for_lines(proc, run_dir, 3)  # start, eval, rsft 1
-    shutil.move(mirror, tmp_path / "elsewhere")
-    mirror.write_text("the bucket is gone")  # every copy into it now fails
+    if mirror.exists():  # nothing was pushed yet in a weight-only run without saves
+        shutil.move(mirror, tmp_path / "elsewhere")
+    mirror.parent.mkdir(parents=True, exist_ok=True)
+    mirror.write_text("the bucket is gone")  # every write into it now fails
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 143, out[-3000:]
     assert "preempted: not saved" in out and "failed 3 times" in out
-    checkpoints = os.path.join(str(tmp_path / "elsewhere"), "checkpoints")
     assert not os.path.exists(checkpoints) or os.listdir(checkpoints) == []

@@ -60,7 +60,7 @@ class ModelSettings:
     top_k: int = 20
     max_new_tokens: int = 1024
     concurrency: int = 0  # episodes in flight (0: twice the engine slots)
-    engine_cache_rows: int = 0  # prefix-cache rows (0: one per episode in flight, memory allowing)
+    engine_cache_rows: int = 0  # prefix-cache rows (0: two per episode in flight, memory allowing)
     sandbox: str = ""  # strict | shared_uid | landlock ("": $WHALE_SANDBOX or strict)
 
 
