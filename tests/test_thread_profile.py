@@ -5,6 +5,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from benchmarks.thread_profile import ThreadSampler
 
 
@@ -42,6 +44,8 @@ def test_sampler_splits_a_thread_between_running_and_waiting():
     other.start()
     time.sleep(0.8)
     assert sys.getswitchinterval() < switch  # lowered while it samples, so it gets the GIL
+    with pytest.raises(RuntimeError, match="already started"):
+        sampler.start()  # a second start would save the lowered interval as the one to restore
     sampler.stop()
     assert sys.getswitchinterval() == switch
     process_cpu = time.process_time() - process0
