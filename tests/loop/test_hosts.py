@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import time
 
+from harness.search.archive import read_json
 from tests.loop.conftest import REPO, main_command, run_main, small_run_flags
 from tests.loop.test_run import metric_lines
 
@@ -34,11 +36,12 @@ def free_port() -> int:
 def start_hosts(tmp_path, tiny_model_dir, **overrides) -> list[subprocess.Popen]:
     port = free_port()
     overrides.setdefault("checkpoint_dir", str(tmp_path / "checkpoints"))  # shared, like a bucket
+    overrides.setdefault("method", "weight-only")
+    overrides.setdefault("reward_threshold", -1)
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")  # one device per process
     procs = []
     for i in range(2):
-        args = small_run_flags(str(tmp_path / f"host{i}"), tiny_model_dir, method="weight-only",
-                               reward_threshold=-1,
+        args = small_run_flags(str(tmp_path / f"host{i}"), tiny_model_dir,
                                coordinator_address=f"localhost:{port}", num_processes=2,
                                process_id=i, **overrides)  # fmt: skip
         procs.append(subprocess.Popen(main_command(args), cwd=REPO, env=env, text=True,
@@ -104,3 +107,95 @@ def test_checkpoints_each_host_keeps_to_itself_are_refused(tiny_model_dir, tmp_p
 def test_process_flags_without_a_coordinator_are_refused(tiny_model_dir, tmp_path):
     done = run_main(small_run_flags(str(tmp_path / "r"), tiny_model_dir, num_processes=2))
     assert done.returncode == 2 and "--coordinator_address" in done.stderr
+
+
+def test_a_whale_run_on_two_hosts_searches_on_host_0_and_both_take_its_harness(
+    tiny_model_dir, tmp_path
+):
+    """Host 0 proposes and scores candidates; host 1 waits on the coordination service and takes
+    the accepted harness, its source and the phase's metric line, so every later line (the
+    evaluations under that harness, the steps after it) is the same on both."""
+    procs = start_hosts(tmp_path, tiny_model_dir, method="whale")
+    outs = finish(procs)
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    host0, host1 = lines_of(str(tmp_path / "host0")), lines_of(str(tmp_path / "host1"))
+    assert host0 == host1
+    phase = [x for x in host0 if x["kind"] == "harness_phase"]
+    assert len(phase) == 1 and phase[0]["candidates"] > 0
+    assert phase[0]["cost"]["proposer_calls"] > 0  # host 0's calls, the only ones
+    assert "host 0 searches; waiting" in outs[1] and "waiting" not in outs[0]
+    accepted = [x["harness"] for x in host0 if x["kind"] == "eval"][-1]
+    summaries = [read_json(str(tmp_path / f"host{i}" / "summary.json")) for i in range(2)]
+    assert summaries[0]["harness"] == summaries[1]["harness"]
+    assert summaries[0]["harness"]["id"] == accepted
+    sources = [(tmp_path / f"host{i}" / summaries[i]["harness"]["path"]).read_text()
+               for i in range(2)]  # fmt: skip
+    assert sources[0] == sources[1]
+    # Only host 0 wrote candidates: host 1's archive holds the accepted source alone.
+    host1_phase = tmp_path / "host1" / "archive" / "phase-001"
+    if accepted != "h0":
+        assert sorted(os.listdir(host1_phase)) == ["accepted.py"]
+
+
+def test_sigterm_on_a_waiting_host_stops_host_0s_search(tiny_model_dir, tmp_path):
+    """A host told to stop while host 0 searches posts it on the board; host 0 ends its phase at
+    its next candidate, tells the others, and every host saves the same checkpoint and exits
+    143 without the phase's line."""
+    procs = start_hosts(tmp_path, tiny_model_dir, method="whale", harness_iterations=8,
+                        checkpoint_every_steps=0, checkpoint_every_minutes=0,
+                        preemption_grace_s=600)  # fmt: skip
+    log1 = tmp_path / "host1" / "run.log"
+    deadline = time.monotonic() + 240
+    while not (log1.exists() and "host 0 searches; waiting" in log1.read_text()):
+        assert procs[1].poll() is None and time.monotonic() < deadline, "host 1 did not wait"
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [143, 143], outs[0][-2000:] + outs[1][-2000:]
+    assert "(another host was told to stop)" in outs[0], outs[0][-3000:]
+    assert "iteration 8" not in outs[0]
+    # The weight phase before was saved at its end; both hosts agree nothing is new since.
+    assert all("preempted: nothing new since the last checkpoint" in out for out in outs), outs
+    host0 = lines_of(str(tmp_path / "host0"))
+    assert host0 == lines_of(str(tmp_path / "host1"))
+    assert not any(x["kind"] == "harness_phase" for x in host0)
+    # The same command again: host 0 resumes its phase from its archive, host 1 waits again.
+    procs = start_hosts(tmp_path, tiny_model_dir, method="whale", harness_iterations=8,
+                        checkpoint_every_steps=0, checkpoint_every_minutes=0,
+                        preemption_grace_s=600)  # fmt: skip
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert "host 0 searches; waiting" in outs[1]
+    host0 = lines_of(str(tmp_path / "host0"))
+    assert host0 == lines_of(str(tmp_path / "host1"))
+    assert sum(x["kind"] == "harness_phase" for x in host0) == 1
+    assert [x["step"] for x in host0 if x["kind"] == "rsft"] == [1, 2, 3, 4]
+
+
+def test_a_host_that_lost_its_archive_resumes_with_host_0s_harness(tiny_model_dir, tmp_path):
+    """Stopped in the weight phase after a search, then resumed on a host 1 whose disk lost the
+    archive (a fresh VM): the checkpoint names the accepted harness's path, and host 0's source
+    is written there before anything reads it."""
+    flags = dict(method="whale", checkpoint_every_steps=0, checkpoint_every_minutes=0,
+                 preemption_grace_s=600, epochs=4)  # fmt: skip
+    procs = start_hosts(tmp_path, tiny_model_dir, **flags)
+    host1 = str(tmp_path / "host1")
+    deadline = time.monotonic() + 240
+    while not any(x["kind"] == "harness_phase" for x in lines_of(host1)):
+        assert procs[1].poll() is None and time.monotonic() < deadline, "no search on host 1"
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [143, 143], outs[0][-2000:] + outs[1][-2000:]
+    shutil.rmtree(os.path.join(host1, "archive"))
+    procs = start_hosts(tmp_path, tiny_model_dir, **flags)
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    host0 = lines_of(str(tmp_path / "host0"))
+    assert host0 == lines_of(host1)
+    assert [x["step"] for x in host0 if x["kind"] == "rsft"] == list(range(1, 9))
+    harness = read_json(os.path.join(host1, "summary.json"))["harness"]
+    assert (tmp_path / "host0" / harness["path"]).read_text() == (
+        tmp_path / "host1" / harness["path"]
+    ).read_text()

@@ -155,6 +155,7 @@ class WhaleRun:
         self._last_save = time.monotonic()
         self._dirty = False
         self.mirror = None  # set up in setup() when config.mirror names one
+        self._board_client = None  # a harness phase across hosts (setup; whale_jax/loop/hosts.py)
         # CPU runs compile engine programs for each new prompt length; see whale_jax/compiled.py.
         self._mappings = MappingGuard(log=self.say)
 
@@ -263,14 +264,22 @@ class WhaleRun:
         self.say(f"model {c.model.model} loaded in {time.monotonic() - t0:.1f}s "
                  f"({model.cfg.num_params() / 1e6:.1f}M parameters); engine: {m.engine_slots} "
                  f"slots, {mem['cache_rows']} cache rows of {mem['slot_bytes'] / 2**20:.1f} MiB")  # fmt: skip
+        self._board_client = None
         if c.searches and jax.process_count() > 1:
-            # Every host would run its own proposer; LLM proposals differ, so hosts would accept
-            # different harnesses. Until proposals are broadcast from one host, refuse.
-            raise ConfigError(f"--method={c.schedule.method}: harness phases run on one host only "
-                              f"(this job has {jax.process_count()}); use --method=weight-only "
-                              "across hosts")  # fmt: skip
+            from whale_jax.loop.hosts import board_client
+
+            # Host 0 searches alone and the others wait on the coordination service's store
+            # (whale_jax/loop/hosts.py): a proposer per host would accept different harnesses.
+            self._board_client = board_client()
+            if self._board_client is None:
+                raise ConfigError(f"--method={c.schedule.method}: a harness phase across hosts "
+                                  f"needs jax.distributed's key-value client, which jax "
+                                  f"{jax.__version__} lacks; use --method=weight-only across "
+                                  "hosts")  # fmt: skip
         self.archive = Archive(os.path.join(self.root, "archive"))
-        self.proposer = CountingProposer(build_proposer(c)) if c.searches else None
+        # Only host 0 proposes (and holds the proposer's API key's use).
+        self.proposer = (CountingProposer(build_proposer(c))
+                         if c.searches and jax.process_index() == 0 else None)  # fmt: skip
         self.checkpoints = Checkpoints(c.checkpoint_dir, keep=c.checkpoint.keep, log=self.say)
         if jax.process_count() > 1:
             self._check_shared_checkpoints()
@@ -414,9 +423,10 @@ class WhaleRun:
         self._last_save = time.monotonic()
         self._dirty = False
 
-    def push_mirror(self) -> None:
+    def push_mirror(self, *, alone: bool = False) -> None:
         """Host 0 pushes; every host learns whether it failed (and then raises MirrorError), so
-        none goes on into a save the others skip."""
+        none goes on into a save the others skip. ``alone``: host 0 while the others wait outside
+        any collective (a harness phase); it raises its own error."""
         if self.mirror is None:
             return
         from whale_jax.loop.mirror import MirrorError
@@ -433,6 +443,10 @@ class WhaleRun:
                     self.say(f"mirror: {n['copied']} files copied, {n['deleted']} deleted "
                              f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
             self._push_s = time.monotonic() - t0
+        if alone:
+            if error is not None:
+                raise error
+            return
         if self._agreed(error is not None):
             raise error or MirrorError(f"--run_dir_mirror={self.config.mirror}: host 0's push "
                                        "failed (its log names why)")  # fmt: skip
@@ -555,9 +569,60 @@ class WhaleRun:
         self.say(f"weight phase done: steps {start_step + 1}..{s.step}" if s.step > start_step
                  else "weight phase done")  # fmt: skip
 
+    def _sync_harness(self) -> None:
+        """Every host takes host 0's current harness (a resumed host's own disk may lack the
+        accepted source a checkpoint refers to)."""
+        from whale_jax.train.trainer import process_gather_json
+
+        source = process_gather_json(self.harness_source() if jax.process_index() == 0 else "")[0]
+        if jax.process_index() != 0:
+            write_atomic(os.path.join(self.root, self.state.harness["path"]), source)
+
+    def _await_harness_phase(self, index: int) -> None:
+        """A host other than 0: waits for host 0's phase and takes what it accepted."""
+        from whale_jax.loop.hosts import PhaseBoard
+
+        s = self.state
+        board = PhaseBoard(self._board_client, index, jax.process_index())
+        self.say(f"harness phase {index}: host 0 searches; waiting for its outcome")
+        out = board.wait(lambda: self._term_at is not None, log=self.say)
+        if out["status"] == "preempted":
+            if self._term_at is None:  # another host was told first
+                self._term_at = time.monotonic()
+            raise Preempted()
+        if out["status"] != "done":
+            raise RuntimeError(f"harness phase {index} failed on host 0: {out.get('error')}")
+        write_atomic(os.path.join(self.root, out["harness"]["path"]), out["source"])
+        s.harness, s.counters = out["harness"], out["counters"]
+        self.emit("harness_phase", **out["line"])
+
     def harness_phase(self) -> None:
-        s, c, plan = self.state, self.config, self.plan
+        s = self.state
         index = s.phases.count(sched.HARNESS) + 1
+        if self._board_client is not None and jax.process_index() != 0:
+            return self._await_harness_phase(index)
+        board = None
+        if self._board_client is not None:
+            from whale_jax.loop.hosts import PhaseBoard
+
+            board = PhaseBoard(self._board_client, index, 0)
+        try:
+            line = self._search(index, board)
+        except Preempted:
+            if board is not None:
+                board.publish({"status": "preempted"})
+            raise
+        except BaseException as e:
+            if board is not None:  # the waiting hosts must not wait forever
+                board.publish({"status": "failed", "error": f"{type(e).__name__}: {e}"})
+            raise
+        if board is not None:
+            board.publish({"status": "done", "harness": s.harness, "source": self.harness_source(),
+                           "counters": s.counters, "line": line})  # fmt: skip
+
+    def _search(self, index: int, board) -> dict[str, Any]:
+        """The phase itself (host 0, or the only host); returns its metric line's fields."""
+        s, c, plan = self.state, self.config, self.plan
         search = dataclasses.replace(
             c.search,
             iterations=sched.harness_iterations(plan),
@@ -574,8 +639,9 @@ class WhaleRun:
                 bar.update(1)
                 # The archive is the phase's checkpoint: mirrored as each iteration starts (its
                 # proposals written, the iteration before evaluated), a VM that loses its disk
-                # redoes at most one iteration's evaluations, and no paid proposals.
-                self.push_mirror()
+                # redoes at most one iteration's evaluations, and no paid proposals. Across
+                # hosts only host 0 is here: no agreement (the others wait on the board).
+                self.push_mirror(alone=board is not None)
 
         phase = HarnessPhase(
             archive=self.archive, index=index, domain=self.data.domain, executor=self.executor,
@@ -584,7 +650,9 @@ class WhaleRun:
             weights={"step": s.step, "trainer_step": self.trainer.step if self.trainer else 0,
                      "weights_version": self.client.engine.weights_version,
                      "model": c.model.model},
-            log=log, interrupt=lambda: self._term_at is not None,
+            log=log,
+            interrupt=lambda: self._term_at is not None or (board is not None
+                                                          and board.stop_posted()),
         )  # fmt: skip
         t0 = time.monotonic()
         phase_source = self.harness_source()
@@ -592,6 +660,10 @@ class WhaleRun:
         try:
             result = phase.run(phase_source)
         except PhaseInterrupted as e:
+            told = "this host" if self._term_at is not None else "another host"
+            self.say(f"harness phase {index}: {e} ({told} was told to stop)")
+            if self._term_at is None:  # another host was told (its stop on the board)
+                self._term_at = time.monotonic()
             raise Preempted() from e
         finally:
             bar.close()
@@ -608,12 +680,14 @@ class WhaleRun:
         if result.accepted.source != phase_source:  # the incoming harness keeps its id
             s.harness = {"id": f"{name}/{result.accepted.name}",
                          "path": os.path.join("archive", name, "accepted.py")}  # fmt: skip
-        self.emit("harness_phase", phase=index, accepted=s.harness["id"],
-                  success_rate=result.accepted.summary["success_rate"],
-                  mean_turns=result.accepted.summary["mean_turns"], frontier=result.frontier,
-                  candidates=len(cands), valid=sum(1 for x in cands if x.valid),
-                  iterations=len(phase.phase.iterations()), episodes=episodes,
-                  vs_incoming=result.detail.get("vs_incoming"))  # fmt: skip
+        line = dict(phase=index, accepted=s.harness["id"],
+                    success_rate=result.accepted.summary["success_rate"],
+                    mean_turns=result.accepted.summary["mean_turns"], frontier=result.frontier,
+                    candidates=len(cands), valid=sum(1 for x in cands if x.valid),
+                    iterations=len(phase.phase.iterations()), episodes=episodes,
+                    vs_incoming=result.detail.get("vs_incoming"))  # fmt: skip
+        self.emit("harness_phase", **line)
+        return line
 
     # ---- the run -------------------------------------------------------------------------------
 
@@ -622,6 +696,8 @@ class WhaleRun:
         old = signal.signal(signal.SIGTERM, self._on_term)
         try:
             resumed = self.start_or_resume(allow_config_change)
+            if self._board_client is not None:
+                self._sync_harness()
             s = self.state
             if s.done:
                 self.say("this run is already finished")
