@@ -4,6 +4,7 @@ scripted stand-in for the gcloud CLI that records every call."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -155,8 +156,13 @@ def test_the_launch_command_runs_in_a_shell(tmp_path):
     args = (home / tpu.REMOTE_DIR / "args.txt").read_text().splitlines()
     assert args == ["-m", "whale_jax.main", "--flagfile=experiments/math.flags",
                     "--proposer_command=ask 'it' {prompt}", "--run_dir=runs/r1",
-                    "--run_dir_mirror=gs://b/r1", "--compilation_cache_dir=gs://b/r1/compile_cache"]  # fmt: skip
+                    "--run_dir_mirror=gs://b/r1", "--compilation_cache_dir=gs://b/r1/compile_cache",
+                    "--distributed"]  # fmt: skip
     assert (home / tpu.REMOTE_DIR / "runs" / "r1.out").read_text() == 'key=s3 cr"t\n'
+    # The slice's hosts join jax.distributed unless the flags say how already.
+    for own in ("--nodistributed", "--coordinator_address=h:1"):
+        mine = tpu.launch_command(dataclasses.replace(t, flags=(*t.flags, own)))
+        assert "--distributed" not in mine.replace("--distributed=", "")
 
 
 def test_watch_brings_a_preempted_run_back_on_a_new_vm(fake_gcloud, monkeypatch):

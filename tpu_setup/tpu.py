@@ -175,6 +175,11 @@ def launch_command(t: Target) -> str:
         raise SystemExit("error: --mirror must be a gs:// path (the VM's disk goes with it)")
     flags = [*t.flags, f"--run_dir={t.run_dir}", f"--run_dir_mirror={t.mirror}",
              f"--compilation_cache_dir={t.mirror.rstrip('/')}/compile_cache"]  # fmt: skip
+    if not any(f.split("=")[0] in ("--distributed", "--nodistributed", "--coordinator_address")
+               for f in t.flags):  # fmt: skip
+        # jax.distributed finds the slice's hosts from the TPU metadata (one host: a job of
+        # one); Orbax's multi-host saves and the harness phase's key-value store need it.
+        flags.append("--distributed")
     run = shlex.join([".venv/bin/python", "-m", "whale_jax.main", *flags])
     out, status, pid = f"{t.run_dir}.out", f"{t.run_dir}.exit", f"{t.run_dir}.pid"
     inner = f"{run} >> {out} 2>&1 & echo $! > {pid}; wait $!; echo $? > {status}"

@@ -27,8 +27,8 @@ flags.DEFINE_string("run_dir", "", "Run directory (metrics, archive, checkpoints
                     "Default: runs/<domain>-<method>-seed<seed>.")  # fmt: skip
 flags.DEFINE_integer("seed", 0, "Run seed: sampling identities, data order, proposer choices.")
 flags.DEFINE_string("initial_harness", "", "Harness file to start from (default: the domain's h0).")
-# Hosts (docs/loop.md, "Several hosts"). A TPU slice's hosts find each other through the TPU
-# runtime; GPU clusters and CPU processes need jax.distributed.
+# Hosts (docs/loop.md, "Several hosts"): every process of a job joins jax.distributed, from the
+# cluster's own description (--distributed: TPU slices, SLURM, Open MPI) or the three flags.
 flags.DEFINE_string("coordinator_address", "", "host:port of process 0's coordinator: this job "
                     "is one of --num_processes processes (jax.distributed.initialize).")  # fmt: skip
 flags.DEFINE_integer("num_processes", 1, "Processes in the job (with --coordinator_address).")
@@ -256,6 +256,8 @@ def init_hosts(f=F) -> None:
     # CPU processes exchange collectives through gloo (without it, none across processes); the
     # setting touches only the CPU backend.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if jax.distributed.is_initialized():  # e.g. a caller that joined before main
+        return
     if f.coordinator_address:
         jax.distributed.initialize(f.coordinator_address, num_processes=f.num_processes,
                                    process_id=f.process_id)  # fmt: skip

@@ -132,10 +132,10 @@ def test_a_whale_run_on_two_hosts_searches_on_host_0_and_both_take_its_harness(
     sources = [(tmp_path / f"host{i}" / summaries[i]["harness"]["path"]).read_text()
                for i in range(2)]  # fmt: skip
     assert sources[0] == sources[1]
-    # Only host 0 wrote candidates: host 1's archive holds the accepted source alone.
-    host1_phase = tmp_path / "host1" / "archive" / "phase-001"
-    if accepted != "h0":
-        assert sorted(os.listdir(host1_phase)) == ["accepted.py"]
+    # Only host 0 scored candidates and writes the report.
+    assert os.listdir(tmp_path / "host0" / "archive" / "phase-001" / "candidates")
+    assert not (tmp_path / "host1" / "archive" / "phase-001" / "candidates").exists()
+    assert (tmp_path / "host0" / "report").is_dir() and not (tmp_path / "host1" / "report").exists()
 
 
 def test_sigterm_on_a_waiting_host_stops_host_0s_search(tiny_model_dir, tmp_path):

@@ -7,10 +7,13 @@ process of the job already reaches, rather than inside a collective: a phase tak
 hours, and a collective held that long is at the mercy of its transport's timeouts. The store
 carries two things per phase:
 
-- ``whale_jax/phase-<i>/stop/<host>``: a host told to stop (SIGTERM) while host 0 searches; host
+- ``whale_jax/phase-<token>-<i>/stop/<host>``: a host told to stop (SIGTERM) while host 0 searches; host
   0's phase reads these between candidates, as it reads its own signal.
-- ``whale_jax/phase-<i>/outcome``: host 0's result, written once: ``done`` (the accepted harness
-  with its source, the counters, the phase's metric line), ``preempted`` or ``failed``.
+- ``whale_jax/phase-<token>-<i>/outcome``: host 0's result, written once: ``done`` (the accepted harness
+  with its source, the phase's cost counters, its metric line), ``preempted`` or ``failed``.
+
+``token`` is host 0's, shared with every host as the job starts, so a key of an earlier run in
+the same job is never read as this one's.
 
 The client is jax's own (``jax._src.distributed.global_state.client``, the one Orbax's multi-host
 code uses too); ``board_client`` returns None where a jax lacks it, and the loop then refuses a
@@ -23,6 +26,8 @@ import json
 import time
 from collections.abc import Callable
 from typing import Any
+
+from whale_jax.loop.metrics import jsonable
 
 PREFIX = "whale_jax/phase-"
 
@@ -41,9 +46,10 @@ def board_client():
 class PhaseBoard:
     """Host 0 and the waiting hosts of harness phase ``index`` (see the module's docstring)."""
 
-    def __init__(self, client, index: int, host: int, *, poll_s: float = 0.5):
+    def __init__(self, client, token: str, index: int, host: int, *, poll_s: float = 0.5):
         self.client, self.host, self.poll_s = client, host, poll_s
-        self.root = f"{PREFIX}{index:03d}/"
+        self.root = f"{PREFIX}{token}-{index:03d}/"  # token: host 0's, shared as the job starts
+        self.published = False
         self._stop_seen = False
         self._stop_checked = 0.0
 
@@ -59,7 +65,9 @@ class PhaseBoard:
         return self._stop_seen
 
     def publish(self, outcome: dict[str, Any]) -> None:
-        self.client.key_value_set(f"{self.root}outcome", json.dumps(outcome, sort_keys=True))
+        value = json.dumps(outcome, sort_keys=True, default=jsonable)  # before it counts as sent
+        self.client.key_value_set(f"{self.root}outcome", value)
+        self.published = True
 
     def wait(self, stopping: Callable[[], bool], *, log: Callable[[str], None] | None = None,
              log_every_s: float = 600.0) -> dict[str, Any]:  # fmt: skip

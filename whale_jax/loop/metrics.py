@@ -55,7 +55,7 @@ class MetricsLog:
         return len(complete) - lines
 
     def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, sort_keys=True, default=_jsonable) + "\n"
+        line = json.dumps(record, sort_keys=True, default=jsonable) + "\n"
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line)
             f.flush()
@@ -63,7 +63,8 @@ class MetricsLog:
         self.lines += 1
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
+    """``json.dumps``'s ``default`` for metric values: numpy scalars, sets and tuples, else str."""
     if hasattr(x, "item"):
         return x.item()
     if isinstance(x, set | tuple):

@@ -156,6 +156,7 @@ class WhaleRun:
         self._dirty = False
         self.mirror = None  # set up in setup() when config.mirror names one
         self._board_client = None  # a harness phase across hosts (setup; whale_jax/loop/hosts.py)
+        self._board_token = ""  # this job's prefix of the board's keys (host 0's, at start)
         # CPU runs compile engine programs for each new prompt length; see whale_jax/compiled.py.
         self._mappings = MappingGuard(log=self.say)
 
@@ -273,13 +274,12 @@ class WhaleRun:
             self._board_client = board_client()
             if self._board_client is None:
                 raise ConfigError(f"--method={c.schedule.method}: a harness phase across hosts "
-                                  f"needs jax.distributed's key-value client, which jax "
-                                  f"{jax.__version__} lacks; use --method=weight-only across "
-                                  "hosts")  # fmt: skip
+                                  "needs jax.distributed's key-value store: pass --distributed "
+                                  "(a TPU slice, SLURM, Open MPI) or --coordinator_address "
+                                  f"(jax {jax.__version__}); or --method=weight-only")  # fmt: skip
         self.archive = Archive(os.path.join(self.root, "archive"))
-        # Only host 0 proposes (and holds the proposer's API key's use).
-        self.proposer = (CountingProposer(build_proposer(c))
-                         if c.searches and jax.process_index() == 0 else None)  # fmt: skip
+        # Built on every host, so a missing key stops them all alike; only host 0's proposes.
+        self.proposer = CountingProposer(build_proposer(c)) if c.searches else None
         self.checkpoints = Checkpoints(c.checkpoint_dir, keep=c.checkpoint.keep, log=self.say)
         if jax.process_count() > 1:
             self._check_shared_checkpoints()
@@ -574,16 +574,26 @@ class WhaleRun:
         accepted source a checkpoint refers to)."""
         from whale_jax.train.trainer import process_gather_json
 
-        source = process_gather_json(self.harness_source() if jax.process_index() == 0 else "")[0]
+        mine: dict[str, Any] = {}
+        if jax.process_index() == 0:
+            try:
+                mine = {"source": self.harness_source(), "token": os.urandom(6).hex()}
+            except OSError as e:  # every host stops, none waits alone in a later collective
+                mine = {"error": f"{type(e).__name__}: {e}"}
+        got = process_gather_json(mine)[0]
+        if "error" in got:
+            raise ConfigError(f"host 0 cannot read its harness {self.state.harness['path']} "
+                              f"under its --run_dir: {got['error']}")  # fmt: skip
+        self._board_token = got["token"]  # this job's keys apart from any earlier run's
         if jax.process_index() != 0:
-            write_atomic(os.path.join(self.root, self.state.harness["path"]), source)
+            write_atomic(os.path.join(self.root, self.state.harness["path"]), got["source"])
 
     def _await_harness_phase(self, index: int) -> None:
         """A host other than 0: waits for host 0's phase and takes what it accepted."""
         from whale_jax.loop.hosts import PhaseBoard
 
         s = self.state
-        board = PhaseBoard(self._board_client, index, jax.process_index())
+        board = PhaseBoard(self._board_client, self._board_token, index, jax.process_index())
         self.say(f"harness phase {index}: host 0 searches; waiting for its outcome")
         out = board.wait(lambda: self._term_at is not None, log=self.say)
         if out["status"] == "preempted":
@@ -593,7 +603,9 @@ class WhaleRun:
         if out["status"] != "done":
             raise RuntimeError(f"harness phase {index} failed on host 0: {out.get('error')}")
         write_atomic(os.path.join(self.root, out["harness"]["path"]), out["source"])
-        s.harness, s.counters = out["harness"], out["counters"]
+        s.harness = out["harness"]
+        for name, delta in out["counters"].items():  # the phase's cost, as counted on host 0
+            s.counters[name] = s.counters.get(name, 0) + delta
         self.emit("harness_phase", **out["line"])
 
     def harness_phase(self) -> None:
@@ -601,24 +613,31 @@ class WhaleRun:
         index = s.phases.count(sched.HARNESS) + 1
         if self._board_client is not None and jax.process_index() != 0:
             return self._await_harness_phase(index)
-        board = None
-        if self._board_client is not None:
-            from whale_jax.loop.hosts import PhaseBoard
+        if self._board_client is None:
+            self._search(index, None)
+            return None
+        from whale_jax.loop.hosts import PhaseBoard
 
-            board = PhaseBoard(self._board_client, index, 0)
+        board = PhaseBoard(self._board_client, self._board_token, index, 0)
+        before = dict(s.counters)
         try:
             line = self._search(index, board)
+            board.publish({
+                "status": "done", "harness": s.harness, "source": self.harness_source(),
+                "counters": {k: v - before.get(k, 0) for k, v in s.counters.items()},
+                "line": line,
+            })  # fmt: skip
         except Preempted:
-            if board is not None:
-                board.publish({"status": "preempted"})
+            board.publish({"status": "preempted"})
             raise
-        except BaseException as e:
-            if board is not None:  # the waiting hosts must not wait forever
-                board.publish({"status": "failed", "error": f"{type(e).__name__}: {e}"})
+        except BaseException as e:  # the waiting hosts must not wait forever
+            if not board.published:
+                try:
+                    board.publish({"status": "failed", "error": f"{type(e).__name__}: {e}"})
+                except Exception as e2:  # the phase's own error is the one to raise
+                    self.say(f"harness phase {index}: could not tell the other hosts: {e2}")
             raise
-        if board is not None:
-            board.publish({"status": "done", "harness": s.harness, "source": self.harness_source(),
-                           "counters": s.counters, "line": line})  # fmt: skip
+        return None
 
     def _search(self, index: int, board) -> dict[str, Any]:
         """The phase itself (host 0, or the only host); returns its metric line's fields."""
@@ -755,7 +774,8 @@ class WhaleRun:
             "harness": self.state.harness,
         }
         write_json(os.path.join(self.root, "summary.json"), summary)
-        if self.config.report:
+        # Across hosts only host 0's archive holds the search's candidates: its report alone.
+        if self.config.report and jax.process_index() == 0:
             from whale_jax.loop.report import write_report
 
             summary["report"] = write_report([self.root], os.path.join(self.root, "report"))
