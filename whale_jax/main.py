@@ -272,6 +272,7 @@ def main(argv: list[str]) -> int:
     from absl import logging
 
     from whale_jax.loop.checkpoint import CheckpointMismatch
+    from whale_jax.loop.hosts import PhaseFailed
     from whale_jax.loop.mirror import MirrorError, MirrorRefused
     from whale_jax.loop.run import PREEMPTED_EXIT, Preempted, WhaleRun
 
@@ -286,7 +287,7 @@ def main(argv: list[str]) -> int:
     except (cfg.ConfigError, CheckpointMismatch, MirrorRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except MirrorError as e:
+    except (MirrorError, PhaseFailed) as e:
         print(f"error: {e}; the last complete checkpoint stands, rerun to resume", file=sys.stderr)
         return 1
     except Preempted:

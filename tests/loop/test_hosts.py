@@ -199,3 +199,22 @@ def test_a_host_that_lost_its_archive_resumes_with_host_0s_harness(tiny_model_di
     assert (tmp_path / "host0" / harness["path"]).read_text() == (
         tmp_path / "host1" / harness["path"]
     ).read_text()
+
+
+def test_a_search_that_fails_on_host_0_stops_the_waiting_host_too(tiny_model_dir, tmp_path):
+    """Host 0's mirror breaks mid-search: its phase fails, it publishes why, and host 1 stops
+    with that reason instead of waiting for an outcome that never comes."""
+    mirror = tmp_path / "bucket" / "run"
+    procs = start_hosts(tmp_path, tiny_model_dir, method="whale", harness_iterations=8,
+                        run_dir_mirror=str(mirror))  # fmt: skip
+    log1 = tmp_path / "host1" / "run.log"
+    deadline = time.monotonic() + 240
+    while not (log1.exists() and "host 0 searches; waiting" in log1.read_text()):
+        assert procs[1].poll() is None and time.monotonic() < deadline, "host 1 did not wait"
+        time.sleep(0.05)
+    shutil.move(mirror, tmp_path / "elsewhere")
+    mirror.write_text("the bucket is gone")  # host 0's next push (its next iteration) fails
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [1, 1], outs[0][-2000:] + outs[1][-2000:]
+    assert "failed 3 times" in outs[0]
+    assert "harness phase 1 failed on host 0: MirrorError" in outs[1], outs[1][-3000:]

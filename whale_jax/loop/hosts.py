@@ -32,6 +32,10 @@ from whale_jax.loop.metrics import jsonable
 PREFIX = "whale_jax/phase-"
 
 
+class PhaseFailed(RuntimeError):
+    """Host 0's harness phase ended in an error (named in its log); a waiting host stops too."""
+
+
 def board_client():
     """jax.distributed's key-value client (None: no distributed job, or no such client)."""
     try:

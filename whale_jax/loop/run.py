@@ -590,7 +590,7 @@ class WhaleRun:
 
     def _await_harness_phase(self, index: int) -> None:
         """A host other than 0: waits for host 0's phase and takes what it accepted."""
-        from whale_jax.loop.hosts import PhaseBoard
+        from whale_jax.loop.hosts import PhaseBoard, PhaseFailed
 
         s = self.state
         board = PhaseBoard(self._board_client, self._board_token, index, jax.process_index())
@@ -601,7 +601,8 @@ class WhaleRun:
                 self._term_at = time.monotonic()
             raise Preempted()
         if out["status"] != "done":
-            raise RuntimeError(f"harness phase {index} failed on host 0: {out.get('error')}")
+            raise PhaseFailed(f"harness phase {index} failed on host 0: {out.get('error')} "
+                              "(host 0's log has the rest)")  # fmt: skip
         write_atomic(os.path.join(self.root, out["harness"]["path"]), out["source"])
         s.harness = out["harness"]
         for name, delta in out["counters"].items():  # the phase's cost, as counted on host 0
