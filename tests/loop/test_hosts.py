@@ -218,3 +218,16 @@ def test_a_search_that_fails_on_host_0_stops_the_waiting_host_too(tiny_model_dir
     assert [p.returncode for p in procs] == [1, 1], outs[0][-2000:] + outs[1][-2000:]
     assert "failed 3 times" in outs[0]
     assert "harness phase 1 failed on host 0: MirrorError" in outs[1], outs[1][-3000:]
+
+
+def test_harness_only_phases_back_to_back_on_two_hosts(tiny_model_dir, tmp_path):
+    """Without weight phases between them, each phase's board is its own (a stop or an outcome
+    of one is never read as the next one's) and the evaluations between them stay in step."""
+    procs = start_hosts(tmp_path, tiny_model_dir, method="harness-only", harness_phases=2)
+    outs = finish(procs)
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    host0 = lines_of(str(tmp_path / "host0"))
+    assert host0 == lines_of(str(tmp_path / "host1"))
+    assert [x["phase"] for x in host0 if x["kind"] == "harness_phase"] == [1, 2]
+    assert outs[1].count("host 0 searches; waiting") == 2
