@@ -162,7 +162,7 @@ def test_the_launch_command_runs_in_a_shell(tmp_path):
     # The slice's hosts join jax.distributed unless the flags say how already.
     for own in ("--nodistributed", "--coordinator_address=h:1"):
         mine = tpu.launch_command(dataclasses.replace(t, flags=(*t.flags, own)))
-        assert "--distributed" not in mine.replace("--distributed=", "")
+        assert "--distributed" not in mine
 
 
 def test_watch_brings_a_preempted_run_back_on_a_new_vm(fake_gcloud, monkeypatch):

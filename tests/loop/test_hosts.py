@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 from harness.search.archive import read_json
 from tests.loop.conftest import REPO, main_command, run_main, small_run_flags
@@ -57,6 +58,19 @@ def finish(procs: list[subprocess.Popen], timeout: float = 280) -> list[str]:
             p.kill()
 
 
+def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 240) -> None:
+    """Polls ``ready()`` until it holds; fails if ``proc`` ended or ``timeout`` passed first."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def logged(run_dir, text: str):
+    log = Path(run_dir) / "run.log"
+    return lambda: log.exists() and text in log.read_text()
+
+
 def test_a_weight_only_run_on_two_hosts(tiny_model_dir, tmp_path):
     procs = start_hosts(tmp_path, tiny_model_dir)
     outs = finish(procs)
@@ -81,10 +95,8 @@ def test_sigterm_on_one_host_stops_both_at_the_same_step(tiny_model_dir, tmp_pat
                         checkpoint_every_steps=0, checkpoint_every_minutes=0,
                         preemption_grace_s=600)  # fmt: skip
     host1 = str(tmp_path / "host1")
-    deadline = time.monotonic() + 240
-    while not any(x["kind"] == "rsft" for x in lines_of(host1)):
-        assert procs[1].poll() is None and time.monotonic() < deadline, "host 1 did not step"
-        time.sleep(0.05)
+    wait_for(procs[1], lambda: any(x["kind"] == "rsft" for x in lines_of(host1)),
+             "host 1 did not step")  # fmt: skip
     procs[1].send_signal(signal.SIGTERM)
     outs = finish(procs)
     assert [p.returncode for p in procs] == [143, 143], outs[0][-2000:] + outs[1][-2000:]
@@ -145,11 +157,8 @@ def test_sigterm_on_a_waiting_host_stops_host_0s_search(tiny_model_dir, tmp_path
     procs = start_hosts(tmp_path, tiny_model_dir, method="whale", harness_iterations=8,
                         checkpoint_every_steps=0, checkpoint_every_minutes=0,
                         preemption_grace_s=600)  # fmt: skip
-    log1 = tmp_path / "host1" / "run.log"
-    deadline = time.monotonic() + 240
-    while not (log1.exists() and "host 0 searches; waiting" in log1.read_text()):
-        assert procs[1].poll() is None and time.monotonic() < deadline, "host 1 did not wait"
-        time.sleep(0.05)
+    wait_for(procs[1], logged(tmp_path / "host1", "host 0 searches; waiting"),
+             "host 1 did not wait")  # fmt: skip
     procs[1].send_signal(signal.SIGTERM)
     outs = finish(procs)
     assert [p.returncode for p in procs] == [143, 143], outs[0][-2000:] + outs[1][-2000:]
@@ -181,10 +190,8 @@ def test_a_host_that_lost_its_archive_resumes_with_host_0s_harness(tiny_model_di
                  preemption_grace_s=600, epochs=4)  # fmt: skip
     procs = start_hosts(tmp_path, tiny_model_dir, **flags)
     host1 = str(tmp_path / "host1")
-    deadline = time.monotonic() + 240
-    while not any(x["kind"] == "harness_phase" for x in lines_of(host1)):
-        assert procs[1].poll() is None and time.monotonic() < deadline, "no search on host 1"
-        time.sleep(0.05)
+    wait_for(procs[1], lambda: any(x["kind"] == "harness_phase" for x in lines_of(host1)),
+             "no search on host 1")  # fmt: skip
     procs[1].send_signal(signal.SIGTERM)
     outs = finish(procs)
     assert [p.returncode for p in procs] == [143, 143], outs[0][-2000:] + outs[1][-2000:]
@@ -207,11 +214,8 @@ def test_a_search_that_fails_on_host_0_stops_the_waiting_host_too(tiny_model_dir
     mirror = tmp_path / "bucket" / "run"
     procs = start_hosts(tmp_path, tiny_model_dir, method="whale", harness_iterations=8,
                         run_dir_mirror=str(mirror))  # fmt: skip
-    log1 = tmp_path / "host1" / "run.log"
-    deadline = time.monotonic() + 240
-    while not (log1.exists() and "host 0 searches; waiting" in log1.read_text()):
-        assert procs[1].poll() is None and time.monotonic() < deadline, "host 1 did not wait"
-        time.sleep(0.05)
+    wait_for(procs[1], logged(tmp_path / "host1", "host 0 searches; waiting"),
+             "host 1 did not wait")  # fmt: skip
     shutil.move(mirror, tmp_path / "elsewhere")
     mirror.write_text("the bucket is gone")  # host 0's next push (its next iteration) fails
     outs = finish(procs)

@@ -265,7 +265,6 @@ class WhaleRun:
         self.say(f"model {c.model.model} loaded in {time.monotonic() - t0:.1f}s "
                  f"({model.cfg.num_params() / 1e6:.1f}M parameters); engine: {m.engine_slots} "
                  f"slots, {mem['cache_rows']} cache rows of {mem['slot_bytes'] / 2**20:.1f} MiB")  # fmt: skip
-        self._board_client = None
         if c.searches and jax.process_count() > 1:
             from whale_jax.loop.hosts import board_client
 
@@ -612,11 +611,12 @@ class WhaleRun:
     def harness_phase(self) -> None:
         s = self.state
         index = s.phases.count(sched.HARNESS) + 1
-        if self._board_client is not None and jax.process_index() != 0:
-            return self._await_harness_phase(index)
-        if self._board_client is None:
+        if self._board_client is None:  # one host
             self._search(index, None)
-            return None
+            return
+        if jax.process_index() != 0:
+            self._await_harness_phase(index)
+            return
         from whale_jax.loop.hosts import PhaseBoard
 
         board = PhaseBoard(self._board_client, self._board_token, index, 0)
@@ -638,7 +638,6 @@ class WhaleRun:
                 except Exception as e2:  # the phase's own error is the one to raise
                     self.say(f"harness phase {index}: could not tell the other hosts: {e2}")
             raise
-        return None
 
     def _search(self, index: int, board) -> dict[str, Any]:
         """The phase itself (host 0, or the only host); returns its metric line's fields."""
