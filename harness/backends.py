@@ -3,6 +3,8 @@
 ``ScriptedBackend`` answers with a function of the request and tokenises with a byte tokenizer
 (one id per UTF-8 byte, ChatML-style special ids above 255), so prompt and completion ids, token
 counts, stop strings, ``max_new_tokens`` and the prompt budget all behave as an engine's would.
+A completion that stops ends its turn with ``IM_END``, as a ChatML model does, so a conversation's
+next prompt extends the previous prompt and completion token for token (one training row).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 
 from harness.model_api import ChatRequest, ChatResult
 
-IM_START, IM_END, EOS = 256, 257, 258
+IM_START, IM_END = 256, 257
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
@@ -63,7 +65,7 @@ class ScriptedBackend:
         if len(data) >= limit:
             data, finish = data[:limit], "length"
             raw = data.decode(errors="ignore")
-        completion_ids = list(data) + ([EOS] if finish == "stop" else [])
+        completion_ids = list(data) + ([IM_END] if finish == "stop" else [])
         return ChatResult(
             text=strip_thinking(raw),
             raw_text=raw,

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from harness import audits, ipc, jail, sandbox
+from harness import audits, ipc, jail, sandbox, verdicts
 from harness.budgets import Budgets
 from harness.domains.base import Domain, EpisodeContext, Task, ToolError
 from harness.model_api import ChatBackend, ChatRequest, ChatResult, RngKey, SamplingSettings
@@ -508,7 +508,8 @@ class _Run:
             return self.reply_error(ep, rid, "tool", f"no tool {name[:40]!r}")
         if len(ep.record.tool_calls) >= self.budgets.tool_calls:
             return self.refuse(ep, rid, Refused("tool_calls", f"{self.budgets.tool_calls} used"))
-        rec = ToolCallRecord(name=name, arguments={"args": msg["args"], "kwargs": msg["kwargs"]})
+        rec = ToolCallRecord(name=name, arguments={"args": msg["args"], "kwargs": msg["kwargs"]},
+                             after_call=len(ep.record.calls))  # fmt: skip
         ep.record.tool_calls.append(rec)
         ep.waiting += 1
         self.ex._tools.submit(self.call_tool, ep, ep.attempt, rid, rec)
@@ -596,6 +597,9 @@ class _Run:
                 audits.audit(rec, ep.task.question, self.domain.gold_strings(ep.task), answers)
             except Exception:
                 rec.gold_in_prompt = rec.answer_from_harness = False
+            rec.sessions = verdicts.session_verdicts(
+                self.domain, ep.task, rec, ep.env, clean=clean and rec.error is None
+            )
         rec.score_s = time.monotonic() - t0
         ep.state = "done"
         self.remaining -= 1

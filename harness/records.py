@@ -1,5 +1,6 @@
 """Episode records: what one harness run on one task did. Plain dataclasses, JSON round-trippable;
-they become RSFT training rows (calls with ``train=True``) and the proposer's archive of traces."""
+they become RSFT training rows (the ``train=True`` calls of sessions whose verdict passes) and the
+proposer's archive of traces."""
 
 from __future__ import annotations
 
@@ -35,6 +36,28 @@ class ToolCallRecord:
     result: Any = None
     error: str | None = None
     latency_s: float = 0.0
+    after_call: int = 0  # model calls the episode had made when this tool was called
+
+
+# How a session's verdict was decided (``SessionVerdict.origin``):
+ANSWER = "answer"  # its completion carries the submitted answer: the episode's reward
+VERIFIED = "verified"  # scored by the domain on its own last trained completion
+PLAYED = "played"  # supplied an action the environment played (chess): the episode's reward
+UNSCORED = "unscored"  # the domain cannot score it alone: never trained
+FLAGGED = "flagged"  # the prompt audit flagged its episode: never trained
+ORIGINS = (ANSWER, VERIFIED, PLAYED, UNSCORED, FLAGGED)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SessionVerdict:
+    """The verifier's word on one conversation that has trained (``train=True``) completions.
+    ``reward`` None: not scored, so not trained. Decided by ``harness.verdicts`` in the trusted
+    process; RSFT trains a session's tokens only when ``reward`` is above its threshold."""
+
+    session_id: str
+    reward: float | None
+    origin: str
+    detail: str = ""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -67,6 +90,7 @@ class EpisodeRecord:
     )
     reruns: int = 0
     output: str = ""
+    sessions: list[SessionVerdict] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -79,6 +103,7 @@ class EpisodeRecord:
         d = dict(d)
         d["calls"] = [ModelCallRecord(**c) for c in d.get("calls", [])]
         d["tool_calls"] = [ToolCallRecord(**t) for t in d.get("tool_calls", [])]
+        d["sessions"] = [SessionVerdict(**v) for v in d.get("sessions", [])]
         return cls(**d)
 
     @classmethod

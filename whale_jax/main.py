@@ -107,8 +107,13 @@ flags.DEFINE_integer("search_patience", 2, "Adaptive harness phase: iterations w
 flags.DEFINE_integer(
     "search_max_proposals", 15, "Adaptive harness phase: proposal iterations at most."
 )
-flags.DEFINE_integer("harness_phases", 0, "Harness-only: phases (0: as many as WHALE's fixed "
-                     "schedule has).")  # fmt: skip
+flags.DEFINE_integer("harness_phases", 0, "Harness-only: phases (0: one phase of "
+                     "--harness_budget iterations, as the reference; more: phases of "
+                     "--harness_iterations).")  # fmt: skip
+flags.DEFINE_integer("harness_budget", 0, "Harness-only and stagewise: iterations of the single "
+                     "harness phase, the incoming harness's evaluation counted (the reference: "
+                     "40 searchqa and chess, 60 math; 0: every iteration WHALE's fixed schedule "
+                     "would make).")  # fmt: skip
 # Meta-Harness search.
 flags.DEFINE_enum("proposer", "offline", list(cfg.PROPOSERS), "Proposer backend.")
 flags.DEFINE_string("proposer_model", "", "Gemini/OpenAI-compatible model name.")
@@ -205,7 +210,7 @@ def config_from_flags(f=F) -> cfg.RunConfig:
             method=f.method, schedule=f.schedule, epochs=f.epochs, weight_epochs=f.weight_epochs,
             harness_iterations=f.harness_iterations, window_epochs=f.adaptive_window,
             burn_in_epochs=f.adaptive_burn_in, patience_epochs=f.adaptive_patience,
-            harness_phases=f.harness_phases,
+            harness_phases=f.harness_phases, harness_budget=f.harness_budget,
         ),
         eval=cfg.EvalConfig(samples=f.eval_samples, every_epochs=f.eval_every_epochs,
                             test=f.eval_test, validation=f.eval_validation),

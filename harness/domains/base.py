@@ -8,6 +8,8 @@ import importlib.resources
 from typing import Any
 
 from harness.budgets import Budgets
+from harness.records import EpisodeRecord
+from harness.verdicts import answer_sessions
 
 # Modules a harness may import in every domain: text handling and arithmetic, nothing that reaches
 # files, processes, the network or introspection.
@@ -77,6 +79,17 @@ class Domain:
     def score(self, task: Task, answer: str | None, env: Env) -> tuple[float, str | None]:
         """(reward, extracted answer or None when the format was not met)."""
         raise NotImplementedError
+
+    def score_completion(self, task: Task, text: str) -> float | None:
+        """A conversation's own verdict, read from its last trained completion as the reference
+        reads a rollout's last assistant message (``harness.verdicts``); None where the domain
+        cannot score a conversation alone."""
+        return self.score(task, text, Env())[0] if self.answer_required else None
+
+    def credited_sessions(self, task: Task, record: EpisodeRecord, env: Env) -> set[str]:
+        """The sessions that take the episode's reward: the one whose completion carries the
+        submitted answer."""
+        return answer_sessions(record)
 
     def gold_strings(self, task: Task) -> list[str]:
         gold = task.gold

@@ -21,7 +21,9 @@ import chess
 from harness.budgets import Budgets
 from harness.data import BadRowLog, read_rows
 from harness.domains.base import Domain, Env, EpisodeContext, Task, ToolError
+from harness.records import EpisodeRecord
 from harness.splits import split_by_hash
+from harness.verdicts import source_call
 
 _UCI = re.compile(r"[a-h][1-8][a-h][1-8][qrbn]?")
 LICHESS_COLUMNS = ("PuzzleId", "FEN", "Moves", "Rating", "Themes")
@@ -196,6 +198,21 @@ class ChessDomain(Domain):
     def score(self, task: Task, answer: str | None, env: Env) -> tuple[float, str | None]:
         assert isinstance(env, ChessEnv)
         return float(env.status == "solved"), " ".join(env.played) or None
+
+    def credited_sessions(self, task: Task, record: EpisodeRecord, env: Env) -> set[str]:
+        """The sessions whose completions supplied the moves the board played (each move's
+        latest completion, before the move was sent, that contains it)."""
+        out = set()
+        for t in record.tool_calls:
+            result = t.result if isinstance(t.result, dict) else {}
+            if t.name != "move" or result.get("status") not in ("continue", "solved", "wrong"):
+                continue
+            args, kwargs = t.arguments.get("args") or [], t.arguments.get("kwargs") or {}
+            text = kwargs.get("uci", args[0] if args else None)
+            call = source_call(record, text, before=t.after_call) if isinstance(text, str) else None
+            if call is not None:
+                out.add(call.session_id)
+        return out
 
     def answer_strings(
         self, task: Task, answer: str | None, extracted: str | None, env: Env

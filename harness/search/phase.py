@@ -89,6 +89,7 @@ class HarnessPhase:
         weights: dict[str, Any] | None = None,
         log: Callable[[str], None] = print,
         interrupt: Callable[[], bool] = lambda: False,
+        on_iteration: Callable[[int, Candidate], None] | None = None,
     ):
         self.archive, self.domain, self.executor = archive, domain, executor
         self.tasks = list(search_tasks)
@@ -97,6 +98,7 @@ class HarnessPhase:
         self.phase: Phase = archive.phase(index)
         self.log = log
         self.interrupt = interrupt
+        self.on_iteration = on_iteration  # (iteration, the frontier's top so far), once logged
         self.trial_episodes = 0
 
     # ---- evaluation --------------------------------------------------------------------------
@@ -165,6 +167,7 @@ class HarnessPhase:
             self.evaluate(incoming, None)
         if 1 not in logged:
             self.phase.log_iteration(self._entry(1, [incoming], [], 0.0))
+            self._report(1, incoming)
         for it in range(2, self.config.last_iteration + 1):
             if self.stop_early(it):
                 break
@@ -184,7 +187,23 @@ class HarnessPhase:
                 if not cand.finished:
                     self.evaluate(cand, incoming.source)
             self.phase.log_iteration(self._entry(it, mine, problems, time.monotonic() - t0))
+            self._report(it, incoming)
         return self.finish(incoming)
+
+    def _top(self, incoming: Candidate) -> tuple[Candidate, list[str], dict[str, Any]]:
+        """The top of the Pareto frontier over the candidates scored so far."""
+        cands = self.phase.candidates()
+        scored = [(c.name, c.summary) for c in cands if c.summary is not None]
+        if not scored:
+            raise RuntimeError(f"{self.phase.root}: the incoming harness has no score")
+        name, front, detail = frontier.accept(
+            scored, incoming.name, require_significant=self.config.require_significant
+        )
+        return next(c for c in cands if c.name == name), front, detail
+
+    def _report(self, it: int, incoming: Candidate) -> None:
+        if self.on_iteration is not None:
+            self.on_iteration(it, self._top(incoming)[0])
 
     def stop_early(self, it: int) -> bool:
         """Adaptive schedule: before iteration ``it``, has the best score stalled long enough?"""
@@ -231,15 +250,9 @@ class HarnessPhase:
         }
 
     def finish(self, incoming: Candidate) -> PhaseResult:
-        cands = self.phase.candidates()
-        scored = [(c.name, c.summary) for c in cands if c.summary is not None]
-        if not scored:
-            raise RuntimeError(f"{self.phase.root}: the incoming harness has no score")
-        name, front, detail = frontier.accept(
-            scored, incoming.name, require_significant=self.config.require_significant
-        )
-        accepted = next(c for c in cands if c.name == name)
+        accepted, front, detail = self._top(incoming)
         self.phase.accept(accepted, front, {**detail, "summary": accepted.summary})
         self.log(f"accepted {accepted.name} (success {accepted.summary['success_rate']:.3f}); "
                  f"frontier {front}")  # fmt: skip
-        return PhaseResult(accepted=accepted, frontier=front, candidates=cands, detail=detail)
+        return PhaseResult(accepted=accepted, frontier=front, candidates=self.phase.candidates(),
+                           detail=detail)  # fmt: skip

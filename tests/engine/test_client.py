@@ -6,7 +6,7 @@ import concurrent.futures
 import pytest
 
 from harness.model_api import ChatBackend, ChatRequest, RngKey, SamplingSettings
-from harness.records import EpisodeRecord, ModelCallRecord
+from harness.records import ANSWER, EpisodeRecord, ModelCallRecord, SessionVerdict
 from whale_jax.chat import qwen3_5_format
 from whale_jax.client import EngineClient
 from whale_jax.engine import Request, Sampling
@@ -37,7 +37,8 @@ def ask(messages, *, session="s", call=0, sample=0, max_prompt_tokens=None, **se
 
 
 def record_of(*pairs):
-    """The episode record the executor would keep for these (request, result) calls."""
+    """The episode record the executor would keep for these (request, result) calls, each session
+    verified correct."""
     calls = [
         ModelCallRecord(
             call_index=i,
@@ -50,7 +51,9 @@ def record_of(*pairs):
         )
         for i, (req, res) in enumerate(pairs)
     ]
-    return EpisodeRecord(task_id="t", domain="test", calls=calls)
+    verdicts = [SessionVerdict(session_id=s, reward=1.0, origin=ANSWER)
+                for s in dict.fromkeys(c.session_id for c in calls)]  # fmt: skip
+    return EpisodeRecord(task_id="t", domain="test", calls=calls, sessions=verdicts)
 
 
 def test_is_a_chat_backend(client):
@@ -77,7 +80,7 @@ def test_three_turn_session_is_one_row(client, qwen_tokenizer):
 
     # The records of the two calls make one training row; the loss mask is the sampled tokens.
     rows, counts = rows_from_records(
-        [record_of((first_request, first), (second_request, second))], max_len=1024
+        [record_of((first_request, first), (second_request, second))], max_len=1024, threshold=0.5
     )
     assert len(rows) == 1 and counts["new_rows"] == 0
     c1, c2 = list(first.completion_ids), list(second.completion_ids)
@@ -111,7 +114,7 @@ def test_changed_history_starts_a_new_row(client, qwen_tokenizer):
     second = client.chat(second_request)
     assert list(second.prompt_ids) == qwen_tokenizer.encode(qwen3_5_format().render(edited))
     rows, counts = rows_from_records(
-        [record_of((first_request, first), (second_request, second))], max_len=1024
+        [record_of((first_request, first), (second_request, second))], max_len=1024, threshold=0.5
     )
     assert counts["new_rows"] == 1 and len(rows) == 2
     assert list(rows[1].ids) == list(second.prompt_ids + second.completion_ids)

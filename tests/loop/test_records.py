@@ -75,6 +75,8 @@ def test_config_hash_ignores_operational_fields_only():
          "--weight_epochs"),
         (lambda c: dataclasses.replace(c, schedule=cfg.ScheduleConfig(harness_phases=3)),
          "--harness_phases"),
+        (lambda c: dataclasses.replace(c, schedule=cfg.ScheduleConfig(harness_budget=40)),
+         "--harness_budget"),
         (lambda c: dataclasses.replace(c, proposer=cfg.ProposerConfig(kind="gemini")),
          "--proposer_model"),
         (lambda c: dataclasses.replace(c, model=cfg.ModelSettings(max_len=64, max_new_tokens=64)),

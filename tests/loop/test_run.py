@@ -161,7 +161,7 @@ def test_sigterm_saves_and_the_rerun_finishes(tiny_model_dir, tmp_path):
     [
         ({"method": "weight-only"}, ["weight"], 4),
         ({"method": "harness-only"}, ["harness"], 0),
-        ({"method": "stagewise"}, ["weight", "harness"], 4),
+        ({"method": "stagewise", "harness_budget": 3}, ["weight", "harness"], 4),
         ({"method": "fast-slow"}, ["weight", "harness", "weight"], 4),
         ({"schedule": "adaptive", "adaptive_window": 0.5, "adaptive_burn_in": 0.5,
           "adaptive_patience": 0.5, "search_min_proposals": 1, "search_patience": 1,
@@ -181,9 +181,17 @@ def test_every_method_runs_its_phase_sequence(tiny_model_dir, tmp_path, override
     if overrides.get("method") == "fast-slow":
         meta = json.load(open(os.path.join(run_dir, "archive", "phase-001", "phase.json")))
         assert meta["config"]["prompt_only"] is True
-    if overrides.get("method") == "stagewise":
+    if overrides.get("method") in ("stagewise", "harness-only"):
         meta = json.load(open(os.path.join(run_dir, "archive", "phase-001", "phase.json")))
-        assert meta["config"]["iterations"] == 2  # one phase x (I - 1) + 1
+        # --harness_budget, or by default one WHALE phase's worth: 1 x (I - 1) + 1
+        assert meta["config"]["iterations"] == overrides.get("harness_budget", 2)
+    if overrides.get("method") == "stagewise":
+        # Evaluated along the search: the frontier's top after iteration 1 (the incoming
+        # harness) and again whenever a later iteration changed it.
+        along = [x for x in lines if x["kind"] == "eval" and x["reason"] == "search"]
+        assert along and along[0]["iteration"] == 1 and along[0]["step"] == 4
+        assert len({x["harness"] for x in along}) == len(along)
+        assert [x["iteration"] for x in along] == sorted(x["iteration"] for x in along)
 
 
 # The run as `python -m whale_jax.main`, with the mapping guard (whale_jax/compiled.py) made to

@@ -50,11 +50,19 @@ def test_whale_fixed_alternates_and_ends_with_a_weight_phase():
 
 def test_baseline_sequences():
     assert sequence(plan("weight-only", epochs=2)) == [("weight", 20)]
-    assert sequence(plan("harness-only", epochs=2, weight_epochs=0.5)) == [("harness", 0)] * 3
-    assert sequence(plan("harness-only", harness_phases=2)) == [("harness", 0)] * 2
+    # The reference's harness-only: one Meta-Harness run, by default as long as every proposal
+    # iteration WHALE's fixed schedule makes (3 phases x 5 + the incoming's evaluation) ...
+    alone = plan("harness-only", epochs=2, weight_epochs=0.5, harness_iterations=6)
+    assert sequence(alone) == [("harness", 0)]
+    assert sched.harness_iterations(alone) == 3 * 5 + 1
+    # ... or the paper's budget (60 for math); --harness_phases splits it into phases of I.
+    assert sched.harness_iterations(plan("harness-only", harness_budget=60)) == 60
+    split = plan("harness-only", harness_phases=2, harness_iterations=4)
+    assert sequence(split) == [("harness", 0)] * 2 and sched.harness_iterations(split) == 4
     stage = plan("stagewise", epochs=2, weight_epochs=0.5, harness_iterations=6)
     assert sequence(stage) == [("weight", 20), ("harness", 0)]
     assert sched.harness_iterations(stage) == 3 * 5 + 1  # every proposal iteration WHALE makes
+    assert sched.harness_iterations(plan("stagewise", harness_budget=33)) == 33
     assert sched.harness_iterations(plan(harness_iterations=4)) == 4
     fast = plan("fast-slow", epochs=1, weight_epochs=0.5)
     assert [k for k, _ in sequence(fast)] == ["weight", "harness", "weight"]
@@ -63,14 +71,15 @@ def test_baseline_sequences():
 @pytest.mark.parametrize(
     ("rewards", "stop_at"),
     [
-        ([0.1] * 12, 4),  # flat: best at step 1, clock starts after burn-in 2, patience 2
+        ([0.1] * 12, 3),  # flat: best at step 1; past burn-in 2 and 2 steps after the best
         ([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], None),  # always improving: never stops
         ([0.1, 0.5, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2], 5),  # window mean peaks at step 3
-        ([0.0, 0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0], 6),  # a late spike resets the clock
+        ([0.0, 0.0, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0], 5),  # a spike at step 3 resets the clock
     ],
 )
 def test_adaptive_weight_rule(rewards, stop_at):
-    """window 2, burn-in 2, patience 2 (steps): the first prefix at which the phase ends."""
+    """window 2, burn-in 2, patience 2 (steps): the first prefix at which the phase ends. The
+    reference's rule: n > burn-in and n - best step >= patience."""
     ends = [n for n in range(1, len(rewards) + 1)
             if sched.adaptive_weight_stop(rewards[:n], window=2, burn_in=2, patience=2)]  # fmt: skip
     assert (ends[0] if ends else None) == stop_at
@@ -84,8 +93,8 @@ def test_adaptive_phases_follow_rewards_and_the_budget():
     p = plan(schedule="adaptive", epochs=3, window_epochs=0.2, burn_in_epochs=0.2,
              patience_epochs=0.2)  # fmt: skip
     assert (p.window, p.burn_in, p.patience, p.total_steps) == (2, 2, 2, 30)
-    seq = sequence(p)  # flat rewards: every weight phase stops after burn-in + patience
-    assert seq[0] == ("weight", 4)
+    seq = sequence(p)  # flat rewards: every phase stops at the first step past the burn-in
+    assert seq[0] == ("weight", 3)
     assert seq[-1][0] == "weight" and sum(n for k, n in seq if k == "weight") == 30
     rising = {s: s / 100 for s in range(1, 31)}  # rising reward: one phase takes the budget
     assert sequence(p, rising) == [("weight", 30)]

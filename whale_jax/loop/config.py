@@ -76,7 +76,10 @@ class ScheduleConfig:
     window_epochs: float = 0.2
     burn_in_epochs: float = 0.2
     patience_epochs: float = 0.2
-    harness_phases: int = 0  # harness-only: phases (0: as many as WHALE's fixed schedule has)
+    harness_phases: int = 0  # harness-only: phases (0: one, of ``harness_budget`` iterations)
+    # harness-only (one phase) and stagewise: the harness phase's iterations, the incoming
+    # harness's evaluation counted (0: every iteration WHALE's fixed schedule would make).
+    harness_budget: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -228,6 +231,10 @@ def validate(config: RunConfig) -> None:
         need(s.weight_epochs <= s.epochs, "weight_epochs",
              f"E = {s.weight_epochs} is longer than the whole budget --epochs={s.epochs}")  # fmt: skip
     need(s.harness_phases >= 0, "harness_phases", "must be >= 0")
+    need(s.harness_budget >= 0, "harness_budget", "must be >= 0")
+    if s.harness_budget and s.method not in ("harness-only", "stagewise"):
+        raise ConfigError("--harness_budget: only for --method=harness-only or stagewise (the "
+                          "others run phases of --harness_iterations)")  # fmt: skip
     if s.harness_phases and s.method != "harness-only":
         raise ConfigError("--harness_phases: only for --method=harness-only (the others derive "
                           "their harness phases from the schedule)")  # fmt: skip

@@ -478,15 +478,20 @@ class WhaleRun:
 
     # ---- evaluation ----------------------------------------------------------------------------
 
-    def evaluate(self, reason: str) -> dict[str, Any] | None:
-        """mean@k on test and validation with the current weights and harness (once per pair)."""
+    def evaluate(self, reason: str, *, candidate: tuple[str, str] | None = None,
+                 **fields: Any) -> dict[str, Any] | None:  # fmt: skip
+        """mean@k on test and validation with the current weights and harness (once per pair).
+        ``candidate`` (harness id, source): a harness inside a search instead (stagewise's
+        evaluation along its search, on the host that searches): the best scores are tracked,
+        and no checkpoint is written (nothing it would hold has changed)."""
         s, c = self.state, self.config
-        key = [s.step, s.harness["id"]]
+        harness_id = candidate[0] if candidate else s.harness["id"]
+        key = [s.step, harness_id]
         if s.last_eval == key or not (c.eval.test or c.eval.validation):
             return None
         t0 = time.monotonic()
-        source, k = self.harness_source(), c.eval.samples
-        out: dict[str, Any] = {"reason": reason}
+        source, k = candidate[1] if candidate else self.harness_source(), c.eval.samples
+        out: dict[str, Any] = {"reason": reason, **fields}
         for split in ("test", "validation"):
             if not getattr(c.eval, split):
                 continue
@@ -506,17 +511,18 @@ class WhaleRun:
                 out[split] = mean_at_k(records, tasks)
         s.counters["eval_s"] += time.monotonic() - t0
         s.last_eval = key
-        new_best_val = self._update_best(out)
-        line = self.emit("eval", **{k_: v for k_, v in out.items()}, samples=k)
-        self.say(f"eval ({reason}, step {s.step}, harness {s.harness['id']}): mean@{k} "
+        new_best_val = self._update_best(out, harness_id)
+        line = self.emit("eval", **{k_: v for k_, v in out.items()}, samples=k,
+                         **({"harness": harness_id} if candidate else {}))  # fmt: skip
+        self.say(f"eval ({reason}, step {s.step}, harness {harness_id}): mean@{k} "
                  + ", ".join(f"{n} {out[n]:.3f}" for n in ("test", "validation") if n in out))  # fmt: skip
-        if self._agreed(new_best_val):
+        if candidate is None and self._agreed(new_best_val):
             self.save(best=True)
         return line
 
-    def _update_best(self, out: dict[str, Any]) -> bool:
+    def _update_best(self, out: dict[str, Any], harness_id: str) -> bool:
         s, b = self.state, self.state.best
-        where = {"step": s.step, "harness": s.harness["id"]}
+        where = {"step": s.step, "harness": harness_id}
         if "test" in out and out["test"] > b.get("test", -1.0):
             b["test"], b["test_at"] = out["test"], where
         if "validation" in out and out["validation"] > b.get("validation", -1.0):
@@ -662,6 +668,13 @@ class WhaleRun:
                 # hosts only host 0 is here: no agreement (the others wait on the board).
                 self.push_mirror(alone=board is not None)
 
+        def along(iteration: int, top) -> None:
+            """Stagewise: the test score of the frontier's top after each iteration, so the
+            best point (E*, I*) can be read off (evaluated again only when the top changes)."""
+            name = os.path.basename(phase.phase.root)
+            top_id = s.harness["id"] if top.name == "incoming" else f"{name}/{top.name}"
+            self.evaluate("search", candidate=(top_id, top.source), iteration=iteration)
+
         phase = HarnessPhase(
             archive=self.archive, index=index, domain=self.data.domain, executor=self.executor,
             search_tasks=self.data.search, proposer=self.proposer,
@@ -672,6 +685,7 @@ class WhaleRun:
             log=log,
             interrupt=lambda: self._term_at is not None or (board is not None
                                                           and board.stop_posted()),
+            on_iteration=along if plan.method == "stagewise" else None,
         )  # fmt: skip
         t0 = time.monotonic()
         phase_source = self.harness_source()

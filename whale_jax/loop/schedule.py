@@ -9,10 +9,13 @@ Phase sequences (W: weight phase, H: harness phase):
     whale, fast-slow   W H W H ... W   (fixed: W is E epochs, H has I iterations; adaptive: both
                                         end by patience) - the run always ends with a weight phase
     weight-only        W               (the whole budget, harness frozen at the initial one)
-    harness-only       H H ... H       (as many phases as WHALE's fixed schedule has, or
-                                        --harness_phases; weights frozen)
-    stagewise          W H             (the whole budget, then one phase with every iteration
-                                        WHALE would have spent)
+    harness-only       H               (the reference: one Meta-Harness run on the initial
+                                        weights; --harness_phases splits it into phases of I)
+    stagewise          W H             (the whole budget, then one harness phase)
+
+The single harness phase of harness-only and stagewise has ``--harness_budget`` iterations (the
+reference: 40 for searchqa and chess, 60 for math); 0 gives every iteration WHALE's fixed
+schedule would have spent (``phases x (I - 1) + 1``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Plan:
     phase_steps: int  # E in steps (fixed schedule)
     iterations: int  # I
     harness_phases: int  # harness-only: phases; others: what the fixed schedule would have
+    single_phase_iterations: int  # harness-only in one phase, stagewise: the phase's iterations
     eval_every: int  # periodic evaluation in steps (0: phase boundaries only)
     window: int
     burn_in: int
@@ -45,16 +49,13 @@ class Plan:
     def alternates(self) -> bool:
         return self.method in ("whale", "fast-slow")
 
-    @property
-    def stagewise_iterations(self) -> int:
-        return self.harness_phases * (self.iterations - 1) + 1
-
 
 def make_plan(config: RunConfig, train_size: int) -> Plan:
     s, batch = config.schedule, config.rsft.prompt_batch
     total = steps_for(s.epochs, train_size, batch)
     phase = min(steps_for(s.weight_epochs, train_size, batch), total)
     fixed_phases = max(math.ceil(total / phase) - 1, 1)
+    whale_iterations = fixed_phases * (s.harness_iterations - 1) + 1
     every = config.eval.every_epochs
     return Plan(
         method=s.method,
@@ -63,7 +64,8 @@ def make_plan(config: RunConfig, train_size: int) -> Plan:
         total_steps=total,
         phase_steps=phase,
         iterations=s.harness_iterations,
-        harness_phases=s.harness_phases or fixed_phases,
+        harness_phases=s.harness_phases or (1 if s.method == "harness-only" else fixed_phases),
+        single_phase_iterations=s.harness_budget or whale_iterations,
         eval_every=steps_for(every, train_size, batch) if every > 0 else 0,
         window=steps_for(s.window_epochs, train_size, batch),
         burn_in=steps_for(s.burn_in_epochs, train_size, batch),
@@ -95,17 +97,19 @@ def window_means(rewards: list[float], window: int) -> list[float]:
 
 
 def adaptive_weight_stop(rewards: list[float], *, window: int, burn_in: int, patience: int) -> bool:
-    """The adaptive weight phase ends once the sliding-window mean training reward has not set a
-    phase-best for ``patience`` steps; the patience clock starts at the end of the burn-in at the
-    earliest. ``rewards``: the mean training reward of each step of this phase so far."""
+    """The adaptive weight phase ends once it is past the burn-in and the sliding-window mean
+    training reward has not set a phase-best for ``patience`` steps, counted from the best step
+    (the reference: ``n > B and n - best >= P``; a best inside the burn-in counts, so a phase can
+    end at the first step after it). ``rewards``: the mean training reward of each step of this
+    phase so far."""
     n = len(rewards)
-    if n < burn_in:
+    if n <= burn_in:
         return False
     best, best_at = -math.inf, 0
     for i, m in enumerate(window_means(rewards, window), start=1):
         if m > best:
             best, best_at = m, i
-    return n - max(best_at, burn_in) >= patience
+    return n - best_at >= patience
 
 
 def weight_phase_over(plan: Plan, *, step: int, phase_start: int, rewards: list[float]) -> bool:
@@ -124,4 +128,6 @@ def weight_phase_over(plan: Plan, *, step: int, phase_start: int, rewards: list[
 def harness_iterations(plan: Plan) -> int:
     """Iterations of the next harness phase under the fixed schedule (adaptive phases end by
     patience within ``SearchConfig``'s bounds)."""
-    return plan.stagewise_iterations if plan.method == "stagewise" else plan.iterations
+    single = plan.method == "stagewise" or (plan.method == "harness-only"
+                                            and plan.harness_phases == 1)  # fmt: skip
+    return plan.single_phase_iterations if single else plan.iterations

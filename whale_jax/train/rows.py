@@ -7,13 +7,22 @@ The loss mask is true exactly on tokens the model sampled in ``train=True`` call
 results, user turns, template tokens and ``train=False`` calls (a verifier, a vote the harness
 marked) are context only.
 
+A session is trained only when its verdict (``EpisodeRecord.sessions``, decided by the trusted
+``harness.verdicts``) has a reward above the threshold: the trained tokens always belong to a
+conversation the verifier scored. Emitted rows are counted by the verdict's origin
+(``rows_answer``, ``rows_verified``, ``rows_played``). ``session_outcomes`` counts every session
+with trained completions, passed or dropped, and why (``dropped_rejected``: scored at or below
+the threshold; ``dropped_unscored``, ``dropped_flagged``: see ``harness.verdicts``;
+``dropped_unverified``: the record carries no verdict for it).
+
 Irregular input is counted, never raised and never silently dropped:
 - a call whose prompt does not extend its session's tokens starts a new row (``new_rows``);
 - a call with no completion ids (an error, a refusal) adds nothing (``empty_calls``); the next call
   of the session still has to extend the tokens so far;
 - a row longer than ``max_len`` is cut there (``cut_rows``, ``cut_tokens``);
 - a row with no trained token left (only ``train=False`` calls, or cut before its first sampled
-  token) is not emitted (``untrained_rows``).
+  token) is not emitted (``untrained_rows``);
+- a row of a session whose verdict does not pass is not emitted (``unpassed_rows``).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from harness.records import EpisodeRecord
+from harness.records import ORIGINS, EpisodeRecord
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,11 +77,44 @@ def _session_rows(record: EpisodeRecord):
     return rows, counts
 
 
+ROW_ORIGINS = tuple(f"rows_{o}" for o in ORIGINS[:3])
+SESSION_OUTCOMES = (*(f"sessions_{o}" for o in ORIGINS[:3]), "dropped_rejected",
+                    "dropped_unscored", "dropped_flagged", "dropped_unverified")  # fmt: skip
+
+
+def trained_sessions(record: EpisodeRecord, threshold: float) -> dict[str, str]:
+    """The sessions of ``record`` whose verdict is above ``threshold``, with their origin."""
+    return {
+        v.session_id: v.origin
+        for v in record.sessions
+        if v.reward is not None and v.reward > threshold
+    }
+
+
+def session_outcomes(records: Iterable[EpisodeRecord], threshold: float) -> Counter[str]:
+    """Every session that has trained completions, by outcome: ``sessions_<origin>`` when its
+    verdict passes ``threshold``, else ``dropped_<why>`` (see the module docstring)."""
+    counts: Counter[str] = Counter()
+    for record in records:
+        verdicts = {v.session_id: v for v in record.sessions}
+        trained = {c.session_id for c in record.calls if c.train and c.completion_ids}
+        for sid in sorted(trained):
+            v = verdicts.get(sid)
+            if v is None:
+                counts["dropped_unverified"] += 1
+            elif v.reward is None:
+                counts[f"dropped_{v.origin}"] += 1
+            else:
+                counts[f"sessions_{v.origin}" if v.reward > threshold else "dropped_rejected"] += 1
+    return counts
+
+
 def rows_from_records(
-    records: Sequence[EpisodeRecord], *, max_len: int
+    records: Sequence[EpisodeRecord], *, max_len: int, threshold: float
 ) -> tuple[list[Row], Counter[str]]:
-    """Rows of every episode in ``records`` (in episode order, then session order) and the counts
-    of irregular input (see the module docstring) plus ``rows`` and ``trained_tokens``."""
+    """Rows of every session above ``threshold`` in ``records`` (in episode order, then session
+    order) and the counts of irregular input (see the module docstring) plus ``rows``,
+    ``trained_tokens`` and the rows by origin."""
     if max_len < 2:
         raise ValueError(f"max_len must be at least 2, got {max_len}")
     counts: Counter[str] = Counter()
@@ -80,7 +122,11 @@ def rows_from_records(
     for e, record in enumerate(records):
         built, c = _session_rows(record)
         counts.update(c)
+        passed = trained_sessions(record, threshold)
         for session_id, ids, mask, versions in built:
+            if session_id not in passed:
+                counts["untrained_rows" if not any(mask) else "unpassed_rows"] += 1
+                continue
             if len(ids) > max_len:
                 counts["cut_rows"] += 1
                 counts["cut_tokens"] += len(ids) - max_len
@@ -99,10 +145,12 @@ def rows_from_records(
                 )
             )
             counts["rows"] += 1
+            counts[f"rows_{passed[session_id]}"] += 1
             counts["trained_tokens"] += sum(mask)
     return rows, counts
 
 
 def kept_episodes(records: Iterable[EpisodeRecord], threshold: float) -> list[EpisodeRecord]:
-    """Rejection sampling: the episodes whose reward is above ``threshold``."""
-    return [r for r in records if r.reward > threshold]
+    """Rejection sampling: the episodes with at least one session whose verdict is above
+    ``threshold`` (the reference keeps rollouts with reward > 0.5; a session is ours)."""
+    return [r for r in records if trained_sessions(r, threshold)]

@@ -2,8 +2,9 @@
 
     tasks   = the next ``prompt_batch`` tasks of the weight-training split (``DataCursor``)
     records = n = ``samples`` episodes per task, the current harness driving the engine
-    kept    = episodes with reward > ``reward_threshold``
-    rows    = ``rows_from_records(kept)``                (the trained tokens, decided once)
+    kept    = episodes with a session whose verdict > ``reward_threshold`` (``harness.verdicts``)
+    rows    = ``rows_from_records(kept)``                (the trained tokens, decided once:
+                                                           only sessions the verifier passed)
     for each minibatch of ``minibatch_episodes`` kept episodes: one optimizer update
     engine.set_params(trainer weights)                  (a barrier; the weights version goes up)
 
@@ -31,7 +32,13 @@ from harness.domains.base import Domain, Task
 from harness.executor import Executor
 from harness.records import EpisodeRecord
 from harness.splits import key_rank
-from whale_jax.train.rows import kept_episodes, rows_from_records
+from whale_jax.train.rows import (
+    ROW_ORIGINS,
+    SESSION_OUTCOMES,
+    kept_episodes,
+    rows_from_records,
+    session_outcomes,
+)
 from whale_jax.train.trainer import Trainer, process_gather_json, process_max
 
 
@@ -98,7 +105,8 @@ def minibatches_of(episodes: list[EpisodeRecord], size: int, seed: int, step: in
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
-ROW_COUNTS = ("rows", "new_rows", "cut_rows", "cut_tokens", "empty_calls", "untrained_rows")
+ROW_COUNTS = ("rows", *ROW_ORIGINS, "unpassed_rows", "new_rows", "cut_rows", "cut_tokens", "empty_calls",
+              "untrained_rows")  # fmt: skip
 
 
 def rsft_step(
@@ -123,13 +131,16 @@ def rsft_step(
     )
     t1 = time.perf_counter()
     kept = kept_episodes(records, config.reward_threshold)
+    outcomes = session_outcomes(records, config.reward_threshold)
     local_size = math.ceil(config.minibatch_episodes / jax.process_count())
     groups = minibatches_of(kept, local_size, config.seed, step)
     n_groups = process_max(len(groups))
     groups += [[] for _ in range(n_groups - len(groups))]
     updates, counts_total = [], {}
     for group in groups:
-        rows, counts = rows_from_records(group, max_len=trainer.config.seq_len)
+        rows, counts = rows_from_records(
+            group, max_len=trainer.config.seq_len, threshold=config.reward_threshold
+        )
         for k, v in counts.items():
             counts_total[k] = counts_total.get(k, 0) + v
         updates.append(trainer.update(rows))
@@ -152,6 +163,7 @@ def rsft_step(
         "padded": sum(u.pad_fraction * u.microbatches for u in updates),
         "microbatches": sum(u.microbatches for u in updates),
         **{k: counts_total.get(k, 0) for k in ROW_COUNTS},
+        **{k: outcomes.get(k, 0) for k in SESSION_OUTCOMES},
     }  # fmt: skip
     hosts = process_gather_json(local)
     total = {k: sum(h[k] for h in hosts) for k in local if k != "stop_reasons"}
@@ -177,6 +189,7 @@ def rsft_step(
         "trained_tokens": tokens,
         "pad_fraction": total["padded"] / max(total["microbatches"], 1),
         **{k: total[k] for k in ROW_COUNTS},
+        **{k: total[k] for k in SESSION_OUTCOMES},
         "prompt_tokens": total["prompt_tokens"],
         "completion_tokens": total["completion_tokens"],
         "stop_reasons": dict(stops),
@@ -188,5 +201,5 @@ def rsft_step(
         "compile_counts": trainer.compile_counts,
     }
     if not total["kept"]:
-        metrics["note"] = "no episode above the reward threshold: no update"
+        metrics["note"] = "no session verified above the reward threshold: no update"
     return metrics, records
