@@ -3,9 +3,12 @@ run of ``python -m whale_jax.main --flagfile=experiments/demo.flags --method=M -
 same splits (``--split_seed`` fixed) and weight budget (6 RSFT steps); harness-only spends no
 weight episodes, weight-only no harness episodes. Prints and saves, per method, the final test
 mean@8 (mean over seeds with a normal 95% interval of that mean), the initial one, the
-validation-chosen pair's test score and the episodes spent, and writes one report over all runs.
+validation-chosen pair's test score and the episodes spent, the RSFT rows by the origin of their
+verdict (the answer's session, a verified extra session) and the sessions dropped, and writes one
+report over all runs.
 
     .venv/bin/python benchmarks/compare_methods.py [--seeds 0 1 2] [--methods whale weight-only ...]
+        [--extra=--search_cost=tokens --root runs/compare-tokens --out ...]
 
 Runs that already finished are reused (their directories are under --root); delete --root to
 measure again.
@@ -30,6 +33,21 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_model import machine_info, save_results  # noqa: E402
 
 from whale_jax.loop.report import write_report  # noqa: E402
+from whale_jax.train.rows import ROW_ORIGINS, SESSION_OUTCOMES  # noqa: E402
+
+ROW_KEYS = ("kept", "rows", *ROW_ORIGINS, *SESSION_OUTCOMES)
+
+
+def rsft_totals(run_dir: str) -> dict[str, int]:
+    """The RSFT steps' row and session counts, summed over the run's metric lines."""
+    totals = dict.fromkeys(ROW_KEYS, 0)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("kind") == "rsft":
+                for k in ROW_KEYS:
+                    totals[k] += int(record.get(k, 0))
+    return totals
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
@@ -47,6 +65,8 @@ def main(argv=None) -> int:
                    default=["whale", "weight-only", "harness-only", "stagewise"])  # fmt: skip
     p.add_argument("--root", default="runs/compare")
     p.add_argument("--out", default="benchmarks/results/compare_methods.json")
+    p.add_argument("--extra", action="append", default=[],
+                   help="a flag passed to every run (repeatable), e.g. --extra=--search_cost=tokens")  # fmt: skip
     args = p.parse_args(argv)
 
     rows: dict[str, list[dict]] = {m: [] for m in args.methods}
@@ -56,7 +76,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             cmd = [sys.executable, "-m", "whale_jax.main", "--flagfile=experiments/demo.flags",
                    f"--method={method}", f"--seed={seed}", f"--run_dir={run_dir}",
-                   "--progress=false", "--report=false"]  # fmt: skip
+                   "--progress=false", "--report=false", *args.extra]  # fmt: skip
             done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
             if done.returncode != 0:
                 print(done.stdout[-2000:], done.stderr[-4000:])
@@ -73,12 +93,14 @@ def main(argv=None) -> int:
                 "harness_episodes": s["cost"]["harness_episodes"],
                 "wall_s": round(time.perf_counter() - t0, 1),
                 "accepted_harness": s["harness"]["id"],
+                **rsft_totals(os.path.join(REPO, run_dir)),
             }
             rows[method].append(row)
             print(f"{method:13s} seed {seed}: initial {row['initial_test']:.3f} -> final "
                   f"{row['final_test']:.3f} (weight eps {row['weight_episodes']:.0f}, harness eps "
                   f"{row['harness_episodes']:.0f}, harness {row['accepted_harness']}, "
-                  f"{row['wall_s']:.0f}s)", flush=True)  # fmt: skip
+                  f"rows answer/verified {row['rows_answer']}/{row['rows_verified']}, dropped "
+                  f"{row['dropped_rejected']}, {row['wall_s']:.0f}s)", flush=True)  # fmt: skip
 
     summary = {}
     print(
@@ -96,7 +118,7 @@ def main(argv=None) -> int:
     report = write_report(dirs, os.path.join(REPO, args.root, "report"))
     out = {"benchmark": "WHALE vs baselines on the demo", "machine": machine_info(),
            "command": "benchmarks/compare_methods.py " + " ".join(argv or sys.argv[1:]),
-           "seeds": args.seeds, "methods": summary, "report": os.path.relpath(report, REPO)}  # fmt: skip
+           "seeds": args.seeds, "extra": args.extra, "methods": summary, "report": os.path.relpath(report, REPO)}  # fmt: skip
     save_results(out, args.out)
     print(f"saved {args.out}; report {report}")
     return 0

@@ -124,6 +124,7 @@ class EvalSummary:
     errors: dict[str, int]
     gold_in_prompt: int
     answer_from_harness: int = 0
+    mean_calls: float = 0.0  # model calls per episode (the search's ``calls`` cost axis)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -155,4 +156,5 @@ def summarize(records: list[EpisodeRecord]) -> EvalSummary:
         errors=errors,
         gold_in_prompt=sum(r.gold_in_prompt for r in records),
         answer_from_harness=sum(r.answer_from_harness for r in records),
+        mean_calls=sum(len(r.calls) for r in records) / max(n, 1),
     )

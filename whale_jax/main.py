@@ -126,6 +126,9 @@ flags.DEFINE_integer("search_samples", 1, "Episodes per search task (the paper: 
 flags.DEFINE_integer("audit_tasks", 4, "Search tasks each stand-in model runs in the audit.")
 flags.DEFINE_bool("require_significant", False, "Accept a new harness only when its gain over "
                   "the incoming one is outside sampling noise (paired interval).")  # fmt: skip
+flags.DEFINE_enum("search_cost", "turns", ["turns", "tokens", "calls"], "The Pareto frontier's "
+                  "cost axis beside success: mean turns (the paper), prompt + completion tokens "
+                  "or model calls per episode.")  # fmt: skip
 # Evaluation.
 flags.DEFINE_integer("eval_samples", 8, "Episodes per task for mean@k (8: mean@8).")
 flags.DEFINE_float("eval_every_epochs", 0.1, "Periodic evaluation in weight phases (0: phase "
@@ -171,7 +174,7 @@ def config_from_flags(f=F) -> cfg.RunConfig:
     rsft_flags = ("prompt_batch", "samples", "reward_threshold", "minibatch_episodes")
     train_flags = ("lr", "warmup_steps", "lr_schedule", "decay_steps", "seq_len",
                    "micro_tokens", "compute_dtype")  # fmt: skip
-    search_flags = ("harness_iterations", "slots", "search_samples", "schedule",
+    search_flags = ("harness_iterations", "slots", "search_samples", "schedule", "search_cost",
                     "search_min_proposals", "search_patience", "search_max_proposals")  # fmt: skip
     config = cfg.RunConfig(
         run_dir=run_dir,
@@ -202,7 +205,7 @@ def config_from_flags(f=F) -> cfg.RunConfig:
             remat=f.remat)),
         search=built(search_flags, lambda: SearchConfig(
             iterations=max(f.harness_iterations, 1), slots=f.slots, samples=f.search_samples,
-            require_significant=f.require_significant,
+            require_significant=f.require_significant, cost=f.search_cost,
             validation=ValidationConfig(audit_tasks=f.audit_tasks),
             schedule=f.schedule, min_proposals=f.search_min_proposals,
             patience=f.search_patience, max_proposals=f.search_max_proposals)),

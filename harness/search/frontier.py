@@ -1,6 +1,10 @@
-"""Acceptance: the Pareto frontier over (success rate up, mean turns down), the accepted harness at
-its top (highest success, ties to fewer turns, then to the earlier candidate), and a paired
-interval for the gain over the incoming harness on the same search tasks."""
+"""Acceptance: the Pareto frontier over (success rate up, cost down), the accepted harness at its
+top (highest success, ties to lower cost, then to the earlier candidate), and a paired interval for
+the gain over the incoming harness on the same search tasks.
+
+The cost axis (``COSTS``) is mean turns by default, as the paper. A 5-way vote is one turn at five
+times the tokens, so ``tokens`` (prompt + completion tokens per episode) or ``calls`` (model calls
+per episode) let the search see compute."""
 
 from __future__ import annotations
 
@@ -10,18 +14,33 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
+COSTS = ("turns", "tokens", "calls")
+
+
+def cost_of(summary: dict[str, Any], cost: str = "turns") -> float:
+    """A candidate's cost per episode on the ``cost`` axis, from its evaluation summary."""
+    if cost == "turns":
+        return float(summary["mean_turns"])
+    if cost == "tokens":
+        return (summary["prompt_tokens"] + summary["completion_tokens"]) / max(summary["n"], 1)
+    if cost == "calls":
+        return float(summary["mean_calls"])
+    raise ValueError(f"cost {cost!r}: expected one of {', '.join(COSTS)}")
+
+
+def dominates(a: dict[str, Any], b: dict[str, Any], cost: str = "turns") -> bool:
     """a is at least as good on both axes and strictly better on one."""
-    ge = a["success_rate"] >= b["success_rate"] and a["mean_turns"] <= b["mean_turns"]
-    gt = a["success_rate"] > b["success_rate"] or a["mean_turns"] < b["mean_turns"]
+    ca, cb = cost_of(a, cost), cost_of(b, cost)
+    ge = a["success_rate"] >= b["success_rate"] and ca <= cb
+    gt = a["success_rate"] > b["success_rate"] or ca < cb
     return ge and gt
 
 
-def pareto(scored: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
-    """Names on the frontier, best success first (ties: fewer turns, then order given)."""
-    front = [(n, s) for n, s in scored if not any(dominates(t, s) for _, t in scored)]
+def pareto(scored: Sequence[tuple[str, dict[str, Any]]], cost: str = "turns") -> list[str]:
+    """Names on the frontier, best success first (ties: lower cost, then order given)."""
+    front = [(n, s) for n, s in scored if not any(dominates(t, s, cost) for _, t in scored)]
     order = {n: i for i, (n, _) in enumerate(scored)}
-    front.sort(key=lambda x: (-x[1]["success_rate"], x[1]["mean_turns"], order[x[0]]))
+    front.sort(key=lambda x: (-x[1]["success_rate"], cost_of(x[1], cost), order[x[0]]))
     return [n for n, _ in front]
 
 
@@ -51,13 +70,14 @@ def accept(
     incoming: str,
     *,
     require_significant: bool = False,
+    cost: str = "turns",
 ) -> tuple[str, list[str], dict[str, Any]]:
     """(accepted name, frontier, detail). With ``require_significant`` a challenger replaces the
     incoming harness only when its paired gain's interval excludes zero."""
-    front = pareto(scored)
+    front = pareto(scored, cost)
     by_name = dict(scored)
     best = front[0]
-    detail: dict[str, Any] = {"top_of_frontier": best}
+    detail: dict[str, Any] = {"top_of_frontier": best, "cost": cost}
     if best != incoming and "rewards" in by_name[best] and "rewards" in by_name[incoming]:
         iv = paired_interval(by_name[best]["rewards"], by_name[incoming]["rewards"])
         detail["vs_incoming"] = iv

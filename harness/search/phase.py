@@ -37,6 +37,7 @@ class SearchConfig:
     samples: int = 1  # episodes per search task (the paper: 1)
     trial_tasks: int = 4  # tasks a proposer's trial run of a draft uses
     require_significant: bool = False  # accept a challenger only outside sampling noise
+    cost: str = "turns"  # the frontier's cost axis: turns (the paper), tokens or calls
     validation: ValidationConfig = ValidationConfig()
     # "fixed": ``iterations`` in all. "adaptive": at least ``min_proposals`` proposal iterations,
     # then stop once the best search-split score has not improved for ``patience`` of them;
@@ -49,6 +50,8 @@ class SearchConfig:
     def __post_init__(self) -> None:
         if self.iterations < 1 or self.slots < 1 or self.samples < 1:
             raise ValueError("SearchConfig: iterations, slots and samples must be at least 1")
+        if self.cost not in frontier.COSTS:
+            raise ValueError(f"SearchConfig.cost {self.cost!r}: expected {', '.join(frontier.COSTS)}")
         if self.schedule not in ("fixed", "adaptive"):
             raise ValueError(f"SearchConfig.schedule {self.schedule!r}: expected fixed or adaptive")
         if not 1 <= self.min_proposals <= self.max_proposals or self.patience < 1:
@@ -153,6 +156,7 @@ class HarnessPhase:
                           "config": {"iterations": self.config.iterations,
                                      "schedule": self.config.schedule,
                                      "slots": self.config.slots, "samples": self.config.samples,
+                                     "cost": self.config.cost,
                                      "prompt_only": self.config.validation.prompt_only}})  # fmt: skip
         for name in self.phase.drop_incomplete():
             self.log(f"{name}: left incomplete by an interrupted run; removed")
@@ -197,7 +201,8 @@ class HarnessPhase:
         if not scored:
             raise RuntimeError(f"{self.phase.root}: the incoming harness has no score")
         name, front, detail = frontier.accept(
-            scored, incoming.name, require_significant=self.config.require_significant
+            scored, incoming.name, require_significant=self.config.require_significant,
+            cost=self.config.cost,
         )
         return next(c for c in cands if c.name == name), front, detail
 

@@ -237,8 +237,8 @@ def text_catalogue(domain: str, fewshot: tuple[int, ...], votes: tuple[int, ...]
         out.append(Variant(
             f"vote-k{k}", "vote", k,
             lambda e, p=1.0 - 0.03 * i: p * (short(e) + 0.6 * long(e)), 0.6 - 0.05 * i,
-            f"self-consistency: {k} independent attempts, majority answer (the {k - 1} extra "
-            "attempts are train=False)",
+            f"self-consistency: {k} independent attempts, majority answer (every attempt is "
+            "trained only when its own answer verifies)",
             "Answered-but-wrong episodes with short completions look like sampling noise; a "
             "majority over independent samples removes much of it."))  # fmt: skip
     out += [
@@ -636,7 +636,7 @@ RUN_VOTE = r"""
     replies = [reply]
     while len(replies) < VOTES and room(model):
         try:
-            replies.append(attempt(task, model, tools, False))
+            replies.append(attempt(task, model, tools, True))
         except (model.BudgetExceeded, model.ModelError):
             break
     reply = majority(replies)
@@ -1077,8 +1077,9 @@ def feedback(result, obs):
 
 CHESS_CHOOSE = r'''
 def choose(model, messages, obs):
-    """VOTES samples of one prompt (the first trained, the rest train=False): the earliest reply
-    whose move is the most common legal one."""
+    """VOTES samples of one prompt (the first trained, the rest train=False: only the sessions of
+    played moves train, so extras would add nothing): the earliest reply whose move is the most
+    common legal one."""
     replies = [model.chat(messages, max_new_tokens=MAX_NEW_TOKENS)]
     while len(replies) < VOTES and room(model):
         try:

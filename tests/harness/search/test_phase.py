@@ -296,3 +296,25 @@ def test_frontier_and_interval():
     ]
     assert frontier.accept(scored, "inc")[0] == "new"
     assert frontier.accept(scored, "inc", require_significant=True)[0] == "inc"
+
+
+def test_the_cost_axis_decides_between_a_vote_and_a_single_call():
+    """A 5-way vote is one turn at five times the calls and tokens: by turns it dominates a
+    single call at equal success; by calls or tokens the single call is the cheaper tie."""
+
+    def summary(success, turns, calls, tokens):
+        return {"success_rate": success, "mean_turns": turns, "mean_calls": calls, "n": 10,
+                "prompt_tokens": tokens * 10 // 2, "completion_tokens": tokens * 10 // 2}  # fmt: skip
+
+    scored = [("single", summary(0.5, 1.0, 1.0, 40)), ("vote", summary(0.5, 1.0, 5.0, 200)),
+              ("retry", summary(0.5, 2.0, 2.0, 80))]  # fmt: skip
+    assert frontier.pareto(scored, "turns") == ["single", "vote"]  # equal turns: order decides
+    assert frontier.pareto(scored, "calls") == ["single"]
+    assert frontier.pareto(scored, "tokens") == ["single"]
+    scored[0] = ("single", summary(0.4, 1.0, 1.0, 40))
+    # With the single call worse: by turns the vote wins, by calls the 2-call retry does.
+    assert frontier.accept(scored, "single")[:2] == ("vote", ["vote"])
+    assert frontier.accept(scored, "single", cost="calls")[:2] == ("retry", ["retry", "single"])
+    assert frontier.cost_of(scored[2][1], "tokens") == 80
+    with pytest.raises(ValueError, match="'memory'"):
+        frontier.cost_of(scored[0][1], "memory")
