@@ -13,7 +13,6 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-
 COSTS = ("turns", "tokens", "calls")
 
 

@@ -51,7 +51,9 @@ class SearchConfig:
         if self.iterations < 1 or self.slots < 1 or self.samples < 1:
             raise ValueError("SearchConfig: iterations, slots and samples must be at least 1")
         if self.cost not in frontier.COSTS:
-            raise ValueError(f"SearchConfig.cost {self.cost!r}: expected {', '.join(frontier.COSTS)}")
+            raise ValueError(
+                f"SearchConfig.cost {self.cost!r}: expected {', '.join(frontier.COSTS)}"
+            )
         if self.schedule not in ("fixed", "adaptive"):
             raise ValueError(f"SearchConfig.schedule {self.schedule!r}: expected fixed or adaptive")
         if not 1 <= self.min_proposals <= self.max_proposals or self.patience < 1:
@@ -201,7 +203,9 @@ class HarnessPhase:
         if not scored:
             raise RuntimeError(f"{self.phase.root}: the incoming harness has no score")
         name, front, detail = frontier.accept(
-            scored, incoming.name, require_significant=self.config.require_significant,
+            scored,
+            incoming.name,
+            require_significant=self.config.require_significant,
             cost=self.config.cost,
         )
         return next(c for c in cands if c.name == name), front, detail
