@@ -1,9 +1,10 @@
 """Prompt audits: what did the harness itself write into the model's prompts?
 
 Text a harness sends is the task's question, the model's own earlier completions, tool results,
-and whatever the harness wrote. Only the last is audited. A tool result is excused only as the tool
-returned it: a string field whole, a list only where all of its elements appear together (joined by
-punctuation or spaces, in any order). A single legal move copied out of the legal-move list, or a
+and whatever the harness wrote (function schemas included). Only the last is audited. A tool
+result is excused only as the tool returned it: a string field whole (also as escaped inside a JSON
+string), a list only where all of its elements appear together (joined by punctuation or spaces, in
+any order). A single legal move copied out of the legal-move list, or a
 sentence cut out of a passage, is harness-written text.
 
 Two flags per episode (``EpisodeRecord``):
@@ -15,6 +16,7 @@ Strings shorter than 2 characters are skipped (they occur in any text).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -29,6 +31,9 @@ def _excusals(value: Any, strings: list[str], lists: list[list[str]]) -> None:
     scalars (excused only together)."""
     if isinstance(value, str):
         strings.append(value)
+        escaped = json.dumps(value, ensure_ascii=False)[1:-1]
+        if escaped != value:  # the same text inside a JSON string the harness built
+            strings.append(escaped)
     elif isinstance(value, dict):
         for v in value.values():
             _excusals(v, strings, lists)
@@ -79,6 +84,8 @@ def harness_written(record: EpisodeRecord, question: str) -> list[str]:
                 if r in text:
                     text = text.replace(r, " ")
             out.append(_remove_lists(text, lists))
+        if call.tools:  # function schemas are the harness's words too
+            out.append(json.dumps(call.tools, ensure_ascii=False))
     return out
 
 

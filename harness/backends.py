@@ -9,18 +9,28 @@ next prompt extends the previous prompt and completion token for token (one trai
 
 from __future__ import annotations
 
+import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from harness.model_api import ChatRequest, ChatResult
+from harness.tool_calls import parse_tool_calls
 
 IM_START, IM_END = 256, 257
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
-def render_prompt(messages: tuple[dict[str, str], ...] | list[dict[str, str]]) -> list[int]:
+def render_prompt(
+    messages: tuple[dict[str, str], ...] | list[dict[str, str]], tools: Sequence[Any] = ()
+) -> list[int]:
     ids: list[int] = []
+    if tools:  # the schemas as a turn of their own before the conversation
+        ids.append(IM_START)
+        ids.extend(("tools\n" + json.dumps(list(tools), ensure_ascii=False)).encode())
+        ids.append(IM_END)
+        ids.extend(b"\n")
     for m in messages:
         ids.append(IM_START)
         ids.extend(f"{m['role']}\n{m['content']}".encode())
@@ -43,7 +53,7 @@ class ScriptedBackend:
         self.delay_s = delay_s
 
     def chat(self, request: ChatRequest) -> ChatResult:
-        prompt_ids = render_prompt(request.messages)
+        prompt_ids = render_prompt(request.messages, request.tools)
         if request.max_prompt_tokens is not None and len(prompt_ids) > request.max_prompt_tokens:
             return ChatResult(
                 text="",
@@ -74,4 +84,5 @@ class ScriptedBackend:
             finish_reason=finish,
             prompt_tokens=len(prompt_ids),
             completion_tokens=len(completion_ids),
+            tool_calls=parse_tool_calls(strip_thinking(raw)),
         )

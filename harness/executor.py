@@ -33,7 +33,7 @@ from harness.domains.base import Domain, EpisodeContext, Task, ToolError
 from harness.model_api import ChatBackend, ChatRequest, ChatResult, RngKey, SamplingSettings
 from harness.procs import LoadError, SandboxUnavailable, Zygote
 from harness.records import EpisodeRecord, ModelCallRecord, ToolCallRecord
-from harness.sessions import Ledger, Refused, check_messages, check_settings
+from harness.sessions import Ledger, Refused, check_messages, check_settings, check_tools
 from harness.static_check import check_source
 
 __all__ = ["Executor", "ExecutorConfig", "SandboxUnavailable"]
@@ -431,10 +431,11 @@ class _Run:
             messages = check_messages(msg["messages"])
             left = self.budgets.assistant_tokens - ep.ledger.assistant_tokens
             settings = check_settings(msg["settings"], self.cfg.default_settings, left)
+            tools = check_tools(msg.get("tools", []))
         except (TypeError, ValueError, ArithmeticError) as e:
             return self.reply_error(ep, rid, "model", f"bad request: {e}")
         try:
-            session = ep.ledger.admit(messages, settings)
+            session = ep.ledger.admit(messages, settings, tools)
         except Refused as r:
             return self.refuse(ep, rid, r)
         rec = ep.record
@@ -444,6 +445,7 @@ class _Run:
             messages=messages,
             settings=settings.to_dict(),
             train=msg["train"],
+            tools=list(tools),
         )
         rec.calls.append(call)
         rec.turns = max(rec.turns, session.turns)
@@ -461,7 +463,8 @@ class _Run:
                 sample_index=ep.sample,
                 call_index=call.call_index,
             ),
-            max_prompt_tokens=self.budgets.prompt_tokens,
+            max_prompt_tokens=self.budgets.prompt_cap(session.turns > 1),
+            tools=tools,
         )
         self.ex._calls.submit(self.call_model, ep, ep.attempt, rid, request, call, session)
 
@@ -477,7 +480,7 @@ class _Run:
                 return
             ep.waiting -= 1
             ep.busy_since = time.monotonic()
-            rec, b = ep.record, self.budgets
+            rec = ep.record
             call.latency_s = ep.busy_since - t0
             call.prompt_ids = list(result.prompt_ids)
             call.completion_ids = list(result.completion_ids)
@@ -488,8 +491,9 @@ class _Run:
             rec.prompt_tokens += result.prompt_tokens
             rec.completion_tokens += result.completion_tokens
             ep.ledger.assistant_tokens += result.completion_tokens
-            if result.finish_reason == "prompt_too_long" or result.prompt_tokens > b.prompt_tokens:
-                call.error = call.error or f"prompt over {b.prompt_tokens} tokens"
+            cap = request.max_prompt_tokens
+            if result.finish_reason == "prompt_too_long" or result.prompt_tokens > cap:
+                call.error = call.error or f"prompt over {cap} tokens"
                 return self.refuse(ep, rid, Refused("prompt_tokens", call.error))
             if result.error is not None:
                 return self.reply_error(ep, rid, "model", result.error)
@@ -499,6 +503,8 @@ class _Run:
             reply = {"t": "reply", "rid": rid, "ok": True, "text": result.text,
                      "finish_reason": result.finish_reason,
                      "completion_tokens": result.completion_tokens,
+                     "tool_calls": [{"name": c.name, "arguments": c.arguments}
+                                    for c in result.tool_calls],
                      "remaining": ep.ledger.remaining(session)}  # fmt: skip
         self.send(ep, attempt, reply)
 

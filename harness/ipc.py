@@ -73,7 +73,7 @@ _DONE_KINDS = ("ok", "exception", "budget", "memory", "output_limit", "violation
 # kind -> {field: (required, check)}. "t" (the kind) is implicit in every frame.
 EPISODE_TO_EXECUTOR: dict[str, dict[str, tuple[bool, Callable[[Any], bool]]]] = {
     "chat": {"rid": (True, _RID), "messages": (True, _list), "settings": (True, _obj),
-             "train": (True, _bool)},
+             "train": (True, _bool), "tools": (False, _list)},
     "tool": {"rid": (True, _RID), "name": (True, _text(64)), "args": (True, _list),
              "kwargs": (True, _obj)},
     "done": {"kind": (True, lambda v: v in _DONE_KINDS), "error": (True, _text(8000, True)),
@@ -82,7 +82,8 @@ EPISODE_TO_EXECUTOR: dict[str, dict[str, tuple[bool, Callable[[Any], bool]]]] = 
 EXECUTOR_TO_EPISODE = {
     "reply": {"rid": (True, _RID), "ok": (True, _bool), "text": (False, _text()),
               "finish_reason": (False, _text(64, True)), "completion_tokens": (False, _int(0, 1 << 40)),
-              "remaining": (False, _obj), "value": (False, _any), "kind": (False, _text(32)),
+              "remaining": (False, _obj), "tool_calls": (False, _list), "value": (False, _any),
+              "kind": (False, _text(32)),
               "error": (False, _text(8000))},
 }  # fmt: skip
 ZYGOTE_TO_EXECUTOR = {

@@ -70,6 +70,9 @@ class ChatRequest:
     train: bool
     rng: RngKey
     max_prompt_tokens: int | None = None
+    # Function schemas the model may call (JSON objects, e.g. {"type": "function", "function":
+    # {"name", "description", "parameters"}}), rendered by the chat template into the prompt.
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

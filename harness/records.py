@@ -17,6 +17,7 @@ class ModelCallRecord:
     messages: list[dict[str, str]]
     settings: dict[str, Any]
     train: bool
+    tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # schemas shown
     text: str = ""
     raw_text: str = ""
     prompt_ids: list[int] = dataclasses.field(default_factory=list)

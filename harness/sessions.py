@@ -4,6 +4,7 @@ code may ask for, which conversation (session) it continues, and what is left af
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -72,11 +73,30 @@ def check_settings(given: Any, defaults: SamplingSettings, tokens_left: int) -> 
     return dataclasses.replace(s, max_new_tokens=min(s.max_new_tokens, tokens_left))
 
 
+def check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
+    """Function schemas for the prompt: a list of at most 16 JSON objects, 32 KiB of JSON in all;
+    copied through JSON so nothing but plain data reaches a backend."""
+    if (
+        not isinstance(tools, list)
+        or len(tools) > 16
+        or not all(isinstance(t, dict) for t in tools)
+    ):
+        raise ValueError("tools must be a list of at most 16 objects (function schemas)")
+    try:
+        text = json.dumps(tools, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"tools must be plain JSON: {e}") from None
+    if len(text) > 32 << 10:
+        raise ValueError("tools: at most 32 KiB of JSON")
+    return tuple(json.loads(text))
+
+
 @dataclasses.dataclass
 class Session:
     id: str
     prefix: list[dict[str, str]] = dataclasses.field(default_factory=list)
     turns: int = 0
+    tools: tuple[dict[str, Any], ...] = ()
 
 
 @dataclasses.dataclass
@@ -91,27 +111,37 @@ class Ledger:
     budget_stop: str | None = None
     refusals: int = 0
 
-    def admit(self, messages: list[dict[str, str]], settings: SamplingSettings) -> Session:
-        """The session this call continues (or a new one); raises Refused when over a budget."""
+    def admit(
+        self,
+        messages: list[dict[str, str]],
+        settings: SamplingSettings,
+        tools: tuple[dict[str, Any], ...] = (),
+    ) -> Session:
+        """The session this call continues (or a new one); raises Refused when over a budget. A
+        call continues a session when its messages extend the session's (its messages and the
+        reply) and it shows the same tools (they are rendered into the session's first prompt)."""
         b = self.budgets
         if self.model_calls >= b.model_calls:
             raise Refused("model_calls", f"{b.model_calls} calls used")
         if settings.max_new_tokens <= 0:
             raise Refused("assistant_tokens", f"{b.assistant_tokens} used")
-        if sum(len(m["content"]) for m in messages) > 64 * b.prompt_tokens:
+        size = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+        if size > 64 * b.prompt_cap(True):
             raise Refused("prompt_tokens", "prompt far over the budget")
         session = next(
             (
                 s
                 for s in self.sessions
-                if len(messages) > len(s.prefix) and messages[: len(s.prefix)] == s.prefix
+                if len(messages) > len(s.prefix)
+                and messages[: len(s.prefix)] == s.prefix
+                and s.tools == tools
             ),
             None,
         )
         if session is not None and session.turns >= b.turns:
             raise Refused("turns", f"{b.turns} turns used")
         if session is None:
-            session = Session(id=f"{self.session_prefix}/s{len(self.sessions)}")
+            session = Session(id=f"{self.session_prefix}/s{len(self.sessions)}", tools=tools)
             self.sessions.append(session)
         session.turns += 1
         self.model_calls += 1

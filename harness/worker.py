@@ -134,6 +134,7 @@ class Model:
         stop: list[str] | None = None,
         enable_thinking: bool | None = None,
         train: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         settings = {
             k: v
@@ -149,9 +150,13 @@ class Model:
         }
         if not isinstance(train, bool):
             raise TypeError("train must be True or False")
-        reply = self._link.request("chat", messages=messages, settings=settings, train=train)
+        extra = {} if tools is None else {"tools": tools}
+        reply = self._link.request(
+            "chat", messages=messages, settings=settings, train=train, **extra
+        )
         self.remaining = dict(reply.get("remaining", {}))
         self.last = {k: reply.get(k) for k in ("finish_reason", "completion_tokens")}
+        self.last["tool_calls"] = list(reply.get("tool_calls") or [])
         return str(reply.get("text", ""))
 
 

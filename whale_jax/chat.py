@@ -21,18 +21,31 @@ Families:
 - ``chatml`` (SmolLM2 and other small dense models): plain ChatML; no thinking; tool calls as
   ``<tool_call>{json}</tool_call>`` text tags and tool results shown as a user turn wrapped in
   ``<tool_response>`` tags.
+
+Tools (function schemas) are rendered by the template when it renders them (Qwen3.5's does);
+for a template that never mentions tools (plain ChatML, SmolLM2's) the schemas and the JSON call
+form are written into the system message as text (``tools_text``), which any template can show.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import Any, Protocol
 
 from harness.model_api import ToolCall  # one tool-call type from the model to the harness
+from harness.tool_calls import MALFORMED_TOOL_CALL, parse_tool_calls
+
+__all__ = [
+    "MALFORMED_TOOL_CALL",
+    "ChatFormat",
+    "Reply",
+    "Session",
+    "format_for",
+    "parse_tool_calls",
+]
 
 # A Qwen3.5-style template, written for this project from the published format (ChatML turns,
 # <think> blocks kept only after the last user query, <tool_call> XML, tool results grouped into
@@ -110,8 +123,17 @@ CHATML_TEMPLATE = """\
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
 
-MALFORMED_TOOL_CALL = "malformed_tool_call"
 _MARKER = "WHALEDELTAMARKER7319"
+
+
+def tools_text(tools: Sequence[dict[str, Any]]) -> str:
+    """The text fallback for tools: the schemas, one JSON object a line, and the call form."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (
+        "# Tools\n\nYou may call these functions:\n<tools>\n" + lines + "\n</tools>\n\n"
+        "To call one, reply with:\n"
+        '<tool_call>\n{"name": NAME, "arguments": {ARGUMENTS AS JSON}}\n</tool_call>'
+    )
 
 
 class Tokenizer(Protocol):
@@ -158,6 +180,11 @@ class ChatFormat:
         env.globals["raise_exception"] = raise_exception
         return env.from_string(self.template)
 
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template shows tool schemas itself (else ``tools_text`` does)."""
+        return "tools" in self.template
+
     def _prepare(self, messages: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         out = []
         for m in messages:
@@ -181,6 +208,14 @@ class ChatFormat:
         kwargs: dict[str, Any] = {}
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
+        if tools and not self.renders_tools:
+            messages = list(messages)
+            text = tools_text(tools)
+            if messages and messages[0].get("role") == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
+            else:
+                messages.insert(0, {"role": "system", "content": text})
+            tools = None
         return self._compiled.render(
             messages=self._prepare(messages),
             add_generation_prompt=add_generation_prompt,
@@ -238,74 +273,6 @@ class ChatFormat:
         return Reply(text=text, thinking=thinking, tool_calls=parse_tool_calls(text))
 
 
-_TOOL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|$)", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
-
-
-def _value(text: str) -> Any:
-    text = text.strip("\n")
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, ValueError):
-        return text
-
-
-def _malformed(why: str, raw: str) -> ToolCall:
-    return ToolCall(name=MALFORMED_TOOL_CALL, arguments={"error": why, "raw": raw})
-
-
-def parse_tool_calls(text: str) -> tuple[ToolCall, ...]:
-    """Every ``<tool_call>`` block in ``text``, XML or JSON form; never raises."""
-    calls = []
-    for match in _TOOL_BLOCK.finditer(text):
-        body, raw = match.group(1), match.group(0)
-        if not raw.endswith("</tool_call>"):
-            calls.append(_malformed("unterminated <tool_call> block", raw))
-            continue
-        stripped = body.strip()
-        if stripped.startswith("<function="):
-            fn = _FUNCTION.match(stripped)
-            if fn is None or "</function>" not in stripped:
-                calls.append(_malformed("unterminated <function=...> block", raw))
-                continue
-            name = fn.group(1).strip()
-            if not name:
-                calls.append(_malformed("empty function name", raw))
-                continue
-            args = {}
-            for p in _PARAMETER.finditer(fn.group(2)):
-                key = p.group(1).strip()
-                if not key:
-                    break
-                args[key] = _value(p.group(2))
-            else:
-                calls.append(ToolCall(name=name, arguments=args))
-                continue
-            calls.append(_malformed("empty parameter name", raw))
-            continue
-        try:
-            obj = json.loads(stripped)
-        except json.JSONDecodeError as e:
-            calls.append(_malformed(f"neither <function=...> XML nor JSON ({e.msg})", raw))
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-            calls.append(_malformed("JSON tool call without a string 'name'", raw))
-            continue
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                calls.append(_malformed("'arguments' is a string that is not JSON", raw))
-                continue
-        if not isinstance(args, dict):
-            calls.append(_malformed("'arguments' is not an object", raw))
-            continue
-        calls.append(ToolCall(name=obj["name"], arguments=args))
-    return tuple(calls)
-
-
 def qwen3_5_format(template: str | None = None) -> ChatFormat:
     return ChatFormat(family="qwen3_5", template=template or QWEN3_5_TEMPLATE, thinks=True)
 
@@ -332,12 +299,15 @@ class Session:
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     ended_with_end_of_turn: bool = True
     replies: tuple[str, ...] = ()  # texts an assistant message may carry to continue the session
+    tools: tuple[dict[str, Any], ...] = ()  # the schemas its first prompt rendered
 
-    def continues(self, messages: Sequence[dict[str, Any]]) -> bool:
-        """Whether ``messages`` extend this session: the same messages, the last reply as the
-        assistant message (its visible or raw text), and at least one new message."""
+    def continues(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()
+    ) -> bool:
+        """Whether ``messages`` extend this session: the same tools, the same messages, the last
+        reply as the assistant message (its visible or raw text), and at least one new message."""
         n = len(self.messages)
-        if n == 0 or len(messages) <= n:
+        if n == 0 or len(messages) <= n or tuple(tools) != self.tools:
             return False
         if [dict(m) for m in messages[: n - 1]] != self.messages[:-1]:
             return False

@@ -109,7 +109,8 @@ class EngineClient:
         messages = [dict(m) for m in request.messages]
         with self._lock:
             session = self._sessions.get(request.session_id)
-        continuing = session is not None and session.continues(messages)
+        tools = list(request.tools)
+        continuing = session is not None and session.continues(messages, request.tools)
         snapshots: tuple[int, ...] = ()
         try:
             if continuing:
@@ -123,7 +124,7 @@ class EngineClient:
             else:
                 if not messages:
                     raise ValueError("no messages")
-                prompt, snapshots = self._render(messages, s.enable_thinking)
+                prompt, snapshots = self._render(messages, s.enable_thinking, tools)
         except Exception as e:  # a template that cannot render these messages fails this call only
             return ChatResult(text="", raw_text="", finish_reason="error", error=f"render: {e}")
         if request.max_prompt_tokens is not None and len(prompt) > request.max_prompt_tokens:
@@ -174,6 +175,7 @@ class EngineClient:
             messages=[*messages, {"role": "assistant", "content": reply.text}],
             ended_with_end_of_turn=stopped and ids[-1] == self._end_of_turn_id,
             replies=(reply.text, raw),
+            tools=tuple(request.tools),
         )
         with self._lock:
             self._sessions[request.session_id] = new_session
@@ -218,20 +220,22 @@ class EngineClient:
                     self._rendered_bytes -= dropped
         return value
 
-    def _render(self, messages, enable_thinking) -> tuple[list[int], tuple[int, ...]]:
+    def _render(self, messages, enable_thinking, tools=()) -> tuple[list[int], tuple[int, ...]]:
         """A new sequence's prompt ids and snapshot points (remembered: see the module doc)."""
         cache = self.engine.config.prefix_cache  # off: the engine keeps no snapshots
 
         def make():
-            text = self.format.render(messages, enable_thinking=enable_thinking)
+            text = self.format.render(messages, enable_thinking=enable_thinking, tools=tools)
             prompt = self.encode(text)
-            points = self._boundaries(messages, text, prompt, enable_thinking) if cache else ()
+            points = (self._boundaries(messages, text, prompt, enable_thinking, tools)
+                      if cache else ())  # fmt: skip
             return array.array("i", prompt), points
 
-        prompt, points = self._remembered(_messages_key(messages, enable_thinking, cache), make)
+        key = _messages_key(messages, enable_thinking, cache, tools)
+        prompt, points = self._remembered(key, make)
         return prompt.tolist(), points
 
-    def _head(self, messages, enable_thinking) -> tuple[str, array.array] | None:
+    def _head(self, messages, enable_thinking, tools=()) -> tuple[str, array.array] | None:
         """The text and ids of ``messages`` up to the end of their last turn, as the template
         renders them with another turn after them; None where there is no such cut."""
         try:
@@ -239,6 +243,7 @@ class EngineClient:
                 [*messages, {"role": "user", "content": _PROBE}],
                 add_generation_prompt=False,
                 enable_thinking=enable_thinking,
+                tools=tools,
             )
         except Exception:  # a template may refuse a partial conversation: no boundary there
             return None
@@ -253,7 +258,7 @@ class EngineClient:
         return head[:cut], array.array("i", self.encode(head[:cut]))
 
     def _boundaries(
-        self, messages, text: str, prompt: list[int], enable_thinking
+        self, messages, text: str, prompt: list[int], enable_thinking, tools=()
     ) -> tuple[int, ...]:
         """Token counts of the prompt that end the system message and the messages before the
         last one: where the engine may keep a state that other prompts of this harness start with
@@ -271,8 +276,8 @@ class EngineClient:
         for k in sorted(c for c in cuts if 0 < c < len(messages)):
             head = messages[:k]
             found = self._remembered(
-                _messages_key(head, enable_thinking, "head"),
-                lambda head=head: self._head(head, enable_thinking),
+                _messages_key(head, enable_thinking, "head", tools),
+                lambda head=head: self._head(head, enable_thinking, tools),
             )
             if found is None:
                 continue

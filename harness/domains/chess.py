@@ -121,13 +121,29 @@ def make_splits(tasks: list[Task], *, seed: int, search: int = 256, test: int = 
     )
 
 
-def observation(board: chess.Board, last_move: str | None) -> dict[str, Any]:
+def board_grid(board: chess.Board) -> str:
+    """The board as text, rank 8 first, with rank numbers and file letters (the reference's
+    layout): ``8 r . b q k b . r`` ... ``  a b c d e f g h``."""
+    rows = [f"{8 - i} {row}" for i, row in enumerate(str(board).split("\n"))]
+    return "\n".join([*rows, "  a b c d e f g h"])
+
+
+def observation(board: chess.Board, last_move: str | None, played: list[str]) -> dict[str, Any]:
+    """What ``observe`` and a continuing ``move`` show: the position's facts, and two texts in the
+    reference's layout a harness can show whole (``board_grid``; ``legal_list``, one
+    ``- [uci] SAN=...`` row per legal move). ``last_move`` is the opponent's last move (the
+    puzzle's trigger move before the solver's first); ``played``, the solver's accepted moves."""
+    legal = sorted(board.legal_moves, key=lambda m: m.uci())
     return {
         "side_to_move": "white" if board.turn == chess.WHITE else "black",
         "fen": board.fen(),
         "board": str(board),
+        "board_grid": board_grid(board),
         "last_move": last_move,
-        "legal_moves": sorted(m.uci() for m in board.legal_moves),
+        "legal_moves": [m.uci() for m in legal],
+        "legal_list": "\n".join(f"- [{m.uci()}] SAN={board.san(m)}" for m in legal),
+        "played": list(played),
+        "move_number": len(played) + 1,
     }
 
 
@@ -142,7 +158,7 @@ class ChessEnv(Env):
 
     def call(self, name: str, args: list[Any], kwargs: dict[str, Any], ctx: EpisodeContext) -> Any:
         if name == "observe":
-            return observation(self.board, self.moves[self.ply - 1])
+            return observation(self.board, self.moves[self.ply - 1], self.played)
         if name != "move":
             raise ToolError(f"unknown tool {name!r}")
         if self.status is not None:
@@ -175,19 +191,24 @@ class ChessEnv(Env):
             self.status = "solved"
             return {"status": "solved"}
         reply = self.moves[self.ply + 1]
+        reply_san = self.board.san(chess.Move.from_uci(reply))
         self.board.push_uci(reply)
         self.ply += 2
         return {
             "status": "continue",
             "opponent_move": reply,
-            "observation": observation(self.board, reply),
+            "opponent_san": reply_san,
+            "observation": observation(self.board, reply, self.played),
         }
 
 
 class ChessDomain(Domain):
     name = "chess"
     tool_names = ("observe", "move")
-    budgets = Budgets(prompt_tokens=4096)
+    # The reference: a 4,096-token first prompt in a 16,384-token response region, 8,129 assistant
+    # tokens per episode (thinking on), at most 18 policy calls, retry budgets of at most 10.
+    budgets = Budgets(prompt_tokens=4096, response_tokens=16384, assistant_tokens=8129, turns=18,
+                      model_calls=18)  # fmt: skip
     answer_required = False
     action_tools = ("move",)
     seed_file = "chess_h0.py"

@@ -3,8 +3,9 @@ reason (rejected) or None; the phase records the first failing audit and its rea
 
 1. ``static``: the executor's static check.
 2. ``prompt_only`` (Fast-Slow control only): the syntax tree must equal the incoming harness's
-   once the values of its named prompt constants (module-level UPPER_CASE names bound to strings)
-   and docstrings are masked.
+   once the values of its prompt constants (module-level ``SYSTEM_PROMPT``,
+   ``USER_PROMPT_TEMPLATE`` and chess's ``USER_PROMPT``, bound to strings: the reference's
+   ``PROMPT_CONSTANTS``) and docstrings are masked.
 3. ``leakage``: the source holds a search-split question or gold answer as a literal.
 4. ``computes_answers``: on a few search tasks with two trusted stand-in models — one echoes its
    prompt's last message, one replies with fixed unrelated text — any reward above zero means the
@@ -104,6 +105,9 @@ def leakage(source: str, tasks: Sequence[Task], golds: Sequence[Sequence[str]]) 
     return None
 
 
+PROMPT_CONSTANTS = frozenset({"SYSTEM_PROMPT", "USER_PROMPT_TEMPLATE", "USER_PROMPT"})
+
+
 def _mask(tree: ast.Module) -> ast.Module:
     tree = copy.deepcopy(tree)
     for node in ast.walk(tree):
@@ -116,7 +120,7 @@ def _mask(tree: ast.Module) -> ast.Module:
     for stmt in tree.body:
         if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
             targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-            named = all(isinstance(t, ast.Name) and t.id.isupper() for t in targets)
+            named = all(isinstance(t, ast.Name) and t.id in PROMPT_CONSTANTS for t in targets)
             strings = all(
                 isinstance(n, ast.Constant) and isinstance(n.value, str)
                 for n in ast.walk(stmt.value)

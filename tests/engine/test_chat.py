@@ -106,3 +106,28 @@ def test_chatml_tools_as_text_tags():
     reply = fmt.parse('<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>')
     assert reply.tool_calls == (ToolCall(name="add", arguments={"a": 2}),)
     assert fmt.parse("no </think> handling needed").thinking == ""
+
+
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
+    "type": "object", "properties": {"query_list": {"type": "array"}}}}}  # fmt: skip
+
+
+def test_a_template_without_tools_shows_them_as_text_in_the_system_turn():
+    """SmolLM2's plain ChatML never mentions tools: the schemas and the JSON call form go into
+    the system message (or a system message of their own), which any template can show."""
+    fmt = chatml_format()
+    assert not fmt.renders_tools
+    with_system = fmt.render(CONVO, tools=[SEARCH])
+    assert with_system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert '{"type": "function", "function": {"name": "search"' in with_system
+    assert '<tool_call>\n{"name": NAME, "arguments":' in with_system
+    alone = fmt.render(CONVO[1:], tools=[SEARCH])
+    assert alone.startswith("<|im_start|>system\n# Tools\n") and "2+2?" in alone
+    assert fmt.render(CONVO, tools=[]) == fmt.render(CONVO)
+
+
+def test_qwen3_5_renders_tools_itself():
+    assert QWEN.renders_tools
+    text = QWEN.render(CONVO, tools=[SEARCH])
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n\nYou have access")
+    assert '"name": "search"' in text and "<function=NAME>" in text

@@ -23,7 +23,7 @@ def client(qwen_chat_model, qwen_tokenizer):
     c.close()
 
 
-def ask(messages, *, session="s", call=0, sample=0, max_prompt_tokens=None, **settings):
+def ask(messages, *, session="s", call=0, sample=0, max_prompt_tokens=None, tools=(), **settings):
     settings.setdefault("max_new_tokens", 6)
     return ChatRequest(
         episode_id="e",
@@ -33,6 +33,7 @@ def ask(messages, *, session="s", call=0, sample=0, max_prompt_tokens=None, **se
         train=True,
         rng=RngKey(run_seed=1, step=0, task_id="t", sample_index=sample, call_index=call),
         max_prompt_tokens=max_prompt_tokens,
+        tools=tuple(tools),
     )
 
 
@@ -99,6 +100,26 @@ def test_three_turn_session_is_one_row(client, qwen_tokenizer):
     )])[0]  # fmt: skip
     assert again.reused_tokens == 0
     assert again.token_ids == second.completion_ids
+
+
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}}}}  # fmt: skip
+
+
+def test_tools_render_into_the_first_prompt_and_the_session_keeps_them(client, qwen_tokenizer):
+    fmt = qwen3_5_format()
+    first = client.chat(ask([SYSTEM, USER], session="tools", tools=[CALCULATOR]))
+    assert first.error is None
+    assert list(first.prompt_ids) == qwen_tokenizer.encode(
+        fmt.render([SYSTEM, USER], tools=[CALCULATOR])
+    )
+    tool = {"role": "tool", "content": "42"}
+    history = [SYSTEM, USER, {"role": "assistant", "content": first.text}, tool]
+    second = client.chat(ask(history, session="tools", call=1, tools=[CALCULATOR]))
+    assert list(second.prompt_ids[: len(first.prompt_ids)]) == list(first.prompt_ids)
+    # The same messages with other tools are not that conversation: rendered anew.
+    other = client.chat(ask(history, session="tools", call=2))
+    assert list(other.prompt_ids) == qwen_tokenizer.encode(fmt.render(history))
 
 
 def test_changed_history_starts_a_new_row(client, qwen_tokenizer):

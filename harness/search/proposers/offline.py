@@ -62,6 +62,7 @@ from harness.domains.base import Domain
 from harness.records import EpisodeRecord
 from harness.search.archive import Archive, Candidate, Phase, Proposal
 from harness.search.proposers.base import ProposeRequest
+from harness.search.validate import PROMPT_CONSTANTS
 from harness.static_check import check_source
 
 SHORT_TOKENS = 64  # a wrong answer whose final completion is at most this long is "short"
@@ -1217,28 +1218,24 @@ def render(domain: str, recipe: dict[str, Any]) -> str:
 
 # ---- prompt-only edits -------------------------------------------------------------------------
 
-PROMPT_NAME = re.compile(r"PROMPT|SYSTEM|INSTRUCTION", re.IGNORECASE)
-
 
 def prompt_target(tree: ast.Module) -> tuple[str, ast.Constant] | None:
-    """The main prompt constant: a module-level ``NAME = "text"`` with an UPPER_CASE name (what the
-    phase's prompt-only audit treats as a prompt constant, ``harness.search.validate``) named like
-    a prompt (SYSTEM_PROMPT first), else the longest such string of at least three words."""
+    """The main prompt constant: a module-level ``NAME = "text"`` among the prompt constants the
+    phase's prompt-only audit lets change (``harness.search.validate.PROMPT_CONSTANTS``),
+    SYSTEM_PROMPT first, else the longest; None when there is none."""
     found = [
         (node.targets[0].id, node.value)
         for node in tree.body
         if isinstance(node, ast.Assign)
         and len(node.targets) == 1
         and isinstance(node.targets[0], ast.Name)
-        and node.targets[0].id.isupper()
+        and node.targets[0].id in PROMPT_CONSTANTS
         and isinstance(node.value, ast.Constant)
         and isinstance(node.value.value, str)
     ]
-    named = [f for f in found if PROMPT_NAME.search(f[0])]
-    if named:
-        return min(named, key=lambda f: (f[0] != "SYSTEM_PROMPT", -len(f[1].value)))
-    prose = [f for f in found if len(f[1].value.split()) >= 3]
-    return max(prose, key=lambda f: len(f[1].value)) if prose else None
+    if not found:
+        return None
+    return min(found, key=lambda f: (f[0] != "SYSTEM_PROMPT", -len(f[1].value)))
 
 
 def edit_prompt(source: str, addition: str) -> str | None:

@@ -318,3 +318,15 @@ def test_the_cost_axis_decides_between_a_vote_and_a_single_call():
     assert frontier.cost_of(scored[2][1], "tokens") == 80
     with pytest.raises(ValueError, match="'memory'"):
         frontier.cost_of(scored[0][1], "memory")
+
+
+def test_prompt_only_masks_exactly_the_reference_prompt_constants():
+    """Fast-Slow may rewrite SYSTEM_PROMPT and USER_PROMPT_TEMPLATE (chess: USER_PROMPT), not any
+    other constant: a feedback string or a tool schema is code."""
+    source = (
+        'SYSTEM_PROMPT = "Be brief."\nUSER_PROMPT_TEMPLATE = "Q: {question}"\n'
+        'NUDGE = "Try again."\n\n\ndef run(task, model, tools):\n    return NUDGE\n'
+    )
+    templated = source.replace("Q: {question}", "Question: {question}\\nThink first.")
+    assert prompt_only_change(templated.replace("Be brief.", "Be exact."), source) is None
+    assert prompt_only_change(source.replace("Try again.", "The answer is near."), source)
