@@ -62,7 +62,10 @@ def show(obs, feedback=""):
 
 def run(task, model, tools):
     obs = tools.observe()
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": show(obs)}]
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": show(obs)},
+    ]
     format_retries = illegal_retries = 0
     for _ in range(MAX_TURNS):
         reply = model.chat(messages)

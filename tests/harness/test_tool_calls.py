@@ -21,11 +21,13 @@ def calculator(request):
             .split(" + "))  # fmt: skip
     if request.messages[-1]["role"] == "tool":
         return str(a + b)
-    return "<tool_call>" + json.dumps({"name": "add", "arguments": {"a": a, "b": b}}) + "</tool_call>"
+    return (
+        "<tool_call>" + json.dumps({"name": "add", "arguments": {"a": a, "b": b}}) + "</tool_call>"
+    )
 
 
 TOOL_LOOP = """
-SCHEMA = %r
+SCHEMA = SCHEMA_HERE
 
 def run(task, model, tools):
     messages = [{"role": "user", "content": task.question}]
@@ -34,7 +36,7 @@ def run(task, model, tools):
     result = "noted: " + call["name"]
     messages += [{"role": "assistant", "content": reply}, {"role": "tool", "content": result}]
     return model.chat(messages, tools=[SCHEMA])
-""" % (SCHEMA,)
+""".replace("SCHEMA_HERE", repr(SCHEMA))
 
 
 def test_a_tool_call_round_trip_is_one_conversation(arith, arith_tasks):
@@ -74,8 +76,7 @@ def run(task, model, tools):
 
 def test_a_gold_answer_in_a_tool_schema_is_flagged(arith, arith_tasks):
     task = arith_tasks[0]
-    src = TOOL_LOOP.replace("%r" % (SCHEMA,), repr({**SCHEMA, "description": f"{task.gold}"}))
-    src = src.replace("SCHEMA = {", "SCHEMA = {", 1)
+    src = TOOL_LOOP.replace(repr(SCHEMA), repr({**SCHEMA, "description": f"{task.gold}"}))
     with make_executor(respond=calculator) as ex:
         (rec,) = ex.run(src, arith, [task])
     assert rec.gold_in_prompt
