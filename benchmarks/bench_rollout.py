@@ -79,9 +79,7 @@ def run(task, model, tools):
 def workloads():
     from harness.domains import arith
     from harness.domains import math as mathdom
-    from harness.seeds import __path__ as seeds_path
-
-    h0 = (Path(seeds_path[0]) / "arith_h0.py").read_text()
+    h0 = arith.ArithDomain().seed_harness()
     return {
         "h0": (h0, arith.ArithDomain(), lambda n, s: arith.generate(n, seed=s)),
         "vote": (VOTE, arith.ArithDomain(), lambda n, s: arith.generate(n, seed=s)),

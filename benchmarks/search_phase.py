@@ -1,5 +1,5 @@
 """Evidence for Meta-Harness search: one harness phase with the offline proposer behind the real
-engine (SmolLM2-135M-Instruct, offline), on arith or searchqa, and each candidate's search-split
+engine (SmolLM2-135M-Instruct, offline), on any domain's offline data, and each candidate's search-split
 score with its paired interval against the incoming harness (h0), so a reader sees whether the
 search beats h0 by more than sampling noise.
 
@@ -23,29 +23,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_model import save_results  # noqa: E402
 
+from harness.domains import skill_text  # noqa: E402
 from harness.executor import Executor, ExecutorConfig  # noqa: E402
 from harness.model_api import SamplingSettings  # noqa: E402
 from harness.search import frontier  # noqa: E402
 from harness.search.archive import Archive  # noqa: E402
 from harness.search.phase import HarnessPhase, SearchConfig  # noqa: E402
 from harness.search.proposers.offline import OfflineProposer  # noqa: E402
-from harness.search.skills import skill_text  # noqa: E402
 from whale_jax.client import EngineClient  # noqa: E402
 from whale_jax.loading import load_model  # noqa: E402
+from whale_jax.loop.config import DataConfig  # noqa: E402
+from whale_jax.loop.data import load_domain_data  # noqa: E402
 
 
 def domain_and_tasks(name: str, n: int, seed: int):
-    if name == "arith":
-        from harness.domains.arith import ArithDomain, generate
-
-        return ArithDomain(), generate(n, seed=seed)
-    if name == "searchqa":
-        from harness.domains import searchqa
-        from harness.retrieval import BM25Retriever
-
-        docs, tasks = searchqa.countryinfo_corpus()
-        return searchqa.SearchQADomain(retriever=BM25Retriever(docs)), tasks[:n]
-    raise SystemExit(f"--domain {name!r}: expected arith or searchqa")
+    """The domain's offline data (its folder's ``load``): its search split of ``n`` tasks."""
+    spec = DataConfig(domain=name, split_seed=seed, search_size=n, validation_size=8, test_size=8)
+    data = load_domain_data(spec)
+    return data.domain, data.search
 
 
 def main(argv=None) -> int:

@@ -9,15 +9,15 @@ re-prepares the others, and resumes interrupted downloads (huggingface_hub keeps
 ``--verify`` recomputes every checksum and fails on a mismatch. Needs network (the hub); never
 called by tests or by a run.
 
-Sources (DESIGN 2.7, FORMATS.md): DAPO-Math-17K, AIME 2024 and 2025; Search-R1's NQ+HotpotQA
-training set, the seven QA test sets from FlashRAG (each gets its ``data_source`` column) and the
-wiki-18 corpus; the Lichess puzzle database (the Hugging Face export).
+Sources: each domain folder's ``SOURCES`` (``harness.domains``; FORMATS.md): DAPO-Math-17K, AIME
+2024 and 2025; Search-R1's NQ+HotpotQA training set, the seven QA test sets from FlashRAG (each gets
+its ``data_source`` column) and the wiki-18 corpus; the Lichess puzzle database (the Hugging Face
+export).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fnmatch
 import gzip
 import hashlib
@@ -28,46 +28,19 @@ import sys
 import time
 from collections.abc import Callable
 
+from harness import domains
 from harness.data import read_rows
-from whale_jax.loop.data import DATA_FILES
-
-# Search-R1's seven test sets and the FlashRAG split each uses.
-SEARCHQA_TESTS = (("nq", "test"), ("triviaqa", "test"), ("popqa", "test"), ("hotpotqa", "dev"),
-                  ("2wikimultihopqa", "dev"), ("musique", "dev"), ("bamboogle", "test"))  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-    out: str  # relative path under data_dir
-    repo: str  # Hugging Face dataset repo
-    patterns: tuple[str, ...]  # files of the repo to fetch
-    prepare: str = "rows"  # rows | parquet | gunzip
-    data_source: str = ""  # added as a column (searchqa test sets)
-    columns: tuple[str, ...] = ()  # keep only these (FlashRAG's free-form metadata is dropped)
+from harness.domains.base import Source
 
 
 def sources(domain: str) -> list[Source]:
-    f = DATA_FILES
-    if domain == "math":
-        return [
-            Source(f["math"]["train"], "BytedTsinghua-SIA/DAPO-Math-17k", ("*.parquet",), "parquet"),
-            Source(f["math"]["test_2024"], "Maxwell-Jia/AIME_2024", ("*.parquet", "*.jsonl")),
-            Source(f["math"]["test_2025"], "yentinglin/aime_2025", ("*.parquet", "*.jsonl")),
-        ]  # fmt: skip
-    if domain == "searchqa":
-        out = [Source(f["searchqa"]["train"], "PeterJinGo/nq_hotpotqa_train", ("train.parquet",),
-                      "parquet")]  # fmt: skip
-        for name, split in SEARCHQA_TESTS:
-            out.append(Source(f"searchqa/test/{name}.parquet", "RUC-NLPIR/FlashRAG_datasets",
-                              (f"{name}/{split}.jsonl",), "rows", data_source=name,
-                              columns=("id", "question", "golden_answers")))  # fmt: skip
-        out.append(Source(f["searchqa"]["corpus"], "PeterJinGo/wiki-18-corpus",
-                          ("wiki-18.jsonl.gz",), "gunzip"))  # fmt: skip
-        return out
-    if domain == "chess":
-        return [Source("chess/lichess_db_puzzle.parquet", "Lichess/chess-puzzles", ("*.parquet",),
-                       "parquet")]  # fmt: skip
-    raise ValueError(f"--domain={domain}: expected math, searchqa, chess or all")
+    """What a domain folder says to fetch (its ``SOURCES``)."""
+    return list(domains.plugin(domain).SOURCES)
+
+
+def fetchable() -> list[str]:
+    """The domains with public data to fetch."""
+    return [d for d in domains.names() if domains.plugin(d).SOURCES]
 
 
 def sha256(path: str) -> str:
@@ -185,18 +158,20 @@ def verify(domain: str, data_dir: str, log: Callable[[str], None] = print) -> li
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--domain", required=True, choices=["math", "searchqa", "chess", "all"])
+    p.add_argument("--domain", required=True, help="a domain with data to fetch, or all")
     p.add_argument("--data_dir", default="data")
     p.add_argument("--revision", default="main", help="dataset revision (branch, tag or commit)")
     p.add_argument("--verify", action="store_true", help="only check the prepared files")
     args = p.parse_args(argv)
-    domains = ["math", "searchqa", "chess"] if args.domain == "all" else [args.domain]
+    chosen = fetchable() if args.domain == "all" else [args.domain]
+    if any(d not in fetchable() for d in chosen):
+        p.error(f"--domain={args.domain}: expected one of {', '.join(fetchable())} or all")
     if args.verify:
-        problems = [x for d in domains for x in verify(d, args.data_dir)]
+        problems = [x for d in chosen for x in verify(d, args.data_dir)]
         for x in problems:
             print(f"error: {x}", file=sys.stderr)
         return 1 if problems else 0
-    for d in domains:
+    for d in chosen:
         fetch(d, args.data_dir, revision=args.revision)
     return 0
 

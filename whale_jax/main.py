@@ -38,7 +38,9 @@ flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() with 
 flags.DEFINE_bool("allow_config_change", False, "Resume even if the config differs from the "
                   "checkpoint's (the differences are logged).")  # fmt: skip
 # Data.
-flags.DEFINE_enum("domain", "arith", list(cfg.DOMAINS), "Task domain.")
+flags.DEFINE_string("domain", "arith", "Task domain: a folder of harness/domains (arith, math, "
+                    "searchqa, chess) or of --domain_dir.")  # fmt: skip
+flags.DEFINE_string("domain_dir", "", "A directory of your own domain folders (docs/domains.md).")
 flags.DEFINE_string("data_dir", "", "Real data fetched by `python -m whale_jax.fetch_data` "
                     "(empty: the domain's offline tasks).")  # fmt: skip
 flags.DEFINE_integer("split_seed", 0, "Seed of the disjoint splits (keyed hash of each task).")
@@ -54,6 +56,12 @@ flags.DEFINE_integer("arith_pool", 2000, "Generated problems before splitting (a
 flags.DEFINE_string("retriever_url", "", "Searchqa: a Search-R1 retrieval server's /retrieve URL "
                     "(empty: BM25 over the corpus in process).")  # fmt: skip
 flags.DEFINE_bool("math_verify", False, "Math: accept answers math-verify proves equal.")
+flags.DEFINE_enum("judge", "", ["", "openai", "gemini"], "Searchqa: an LLM judge asked when exact "
+                  "match fails (temperature 0, 3 tries, exact match when it cannot say).")  # fmt: skip
+flags.DEFINE_string("judge_model", "", "Searchqa: the judge's model name.")
+flags.DEFINE_string("judge_base_url", "", "Searchqa: the judge's endpoint (empty: the provider's).")
+flags.DEFINE_string("judge_api_key_env", "", "Searchqa: the variable holding the judge's API key "
+                    "(empty: OPENAI_API_KEY or GEMINI_API_KEY).")  # fmt: skip
 # Model, engine, sampling, sandbox.
 flags.DEFINE_string("model", "smollm2", "Checkpoint: directory, .gguf, hub id, or smollm2.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Engine weights/activations.")
@@ -187,6 +195,8 @@ def config_from_flags(f=F) -> cfg.RunConfig:
             validation_size=f.validation_size, test_size=f.test_size,
             test_per_source=f.test_per_source, arith_difficulty=f.arith_difficulty,
             arith_pool=f.arith_pool, retriever_url=f.retriever_url, math_verify=f.math_verify,
+            judge=f.judge, judge_model=f.judge_model, judge_base_url=f.judge_base_url,
+            judge_api_key_env=f.judge_api_key_env, domain_dir=f.domain_dir,
         ),
         model=cfg.ModelSettings(
             model=f.model, dtype=f.dtype, engine_slots=f.engine_slots, max_len=f.max_len,

@@ -1,14 +1,21 @@
 """What every domain provides: tasks, the harness-visible view of a task, tools (trusted, run in the
-main process), the verifier and the seed harness h0."""
+main process), the verifier and the seed harness h0; and what a domain folder's ``load`` works
+with (``DataSpec`` in, ``DomainData`` out, ``DataError`` for bad input, the split and data-file
+helpers) and its fetch list (``Source``). The registry is ``harness.domains``."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
-from typing import Any
+import glob
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 from harness.budgets import Budgets
 from harness.records import EpisodeRecord
+from harness.splits import split_by_hash
 from harness.verdicts import answer_sessions
 
 # Modules a harness may import in every domain: text handling and arithmetic, nothing that reaches
@@ -68,7 +75,6 @@ class Domain:
     budgets: Budgets = Budgets()
     answer_required: bool = True  # the run() return value is the submission
     action_tools: tuple[str, ...] | None = None  # tools whose calls count as turns (None: all)
-    seed_file: str = ""
 
     def public_view(self, task: Task) -> dict[str, Any]:
         return {"id": task.id, "question": task.question, "meta": dict(task.meta)}
@@ -103,4 +109,107 @@ class Domain:
         return [extracted] if extracted else []
 
     def seed_harness(self) -> str:
-        return importlib.resources.files("harness.seeds").joinpath(self.seed_file).read_text()
+        """h0: the ``h0.py`` beside the module that defines this domain (its folder)."""
+        folder = Path(sys.modules[type(self).__module__].__file__ or "").parent
+        return (folder / "h0.py").read_text(encoding="utf-8")
+
+    def costs(self) -> dict[str, int]:
+        """Monotone counters of what scoring spent outside the model (searchqa's judge calls and
+        tokens); the run adds them to its costs."""
+        return {}
+
+    def test_groups(self, tasks: list[Task]) -> dict[str, list[Task]]:
+        """The groups the test score is reported by, averaged with equal weight (searchqa: one
+        per benchmark); one group by default."""
+        return {"test": list(tasks)}
+
+
+# ---- data: what a domain folder's ``load`` works with ------------------------------------------
+
+
+class DataError(ValueError):
+    """Bad or missing input data: the message names the file, the flag or the key at fault."""
+
+
+class DataSpec(Protocol):
+    """The loop's data settings (``whale_jax.loop.config.DataConfig``): ``domain``, ``data_dir``
+    ("": the domain's offline tasks), ``split_seed`` and the split sizes; a domain reads its own
+    options (e.g. ``retriever_url``) from it as attributes."""
+
+    domain: str
+    data_dir: str
+    split_seed: int
+    train_size: int
+    search_size: int
+    validation_size: int
+    test_size: int
+
+
+@dataclasses.dataclass
+class DomainData:
+    domain: Domain
+    train: list[Task]
+    search: list[Task]
+    validation: list[Task]
+    test: list[Task]
+    source: str  # where the tasks came from, for the run's records
+    bad_rows: int = 0
+
+    def test_groups(self) -> dict[str, list[Task]]:
+        return self.domain.test_groups(self.test)
+
+    def sizes(self) -> dict[str, int]:
+        return {k: len(getattr(self, k)) for k in ("train", "search", "validation", "test")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One file ``python -m whale_jax.fetch_data`` prepares under ``--data_dir``."""
+
+    out: str  # relative path under data_dir
+    repo: str  # Hugging Face dataset repo
+    patterns: tuple[str, ...]  # files of the repo to fetch
+    prepare: str = "rows"  # rows | parquet | gunzip
+    data_source: str = ""  # added as a column (searchqa test sets)
+    columns: tuple[str, ...] = ()  # keep only these (free-form metadata is dropped)
+
+
+def data_files(spec: DataSpec, rel: str, what: str) -> list[str]:
+    """The files matching ``rel`` under ``--data_dir``; DataError naming the file, the flag and
+    the fetch command when there are none."""
+    found = sorted(glob.glob(os.path.join(spec.data_dir, rel)))
+    if not found:
+        raise DataError(
+            f"--data_dir={spec.data_dir}: {rel} not found (the {spec.domain} domain's {what} "
+            f"data); fetch it with: python -m whale_jax.fetch_data --domain={spec.domain} "
+            f"--data_dir={spec.data_dir}, or leave --data_dir empty for the offline tasks"
+        )
+    return found
+
+
+def split_tasks(
+    spec: DataSpec, pool: Sequence[Task], key: Callable[[Task], str], *, test: bool
+) -> dict[str, list[Task]]:
+    """The pool's splits by a keyed hash of ``key`` (``harness.splits``): search, validation and,
+    with ``test``, test at their sizes; the rest is weight training (``train_size`` of it when
+    set). DataError naming the size flag when the pool is too small."""
+    sizes = {"search": spec.search_size, "validation": spec.validation_size}
+    if test:
+        sizes["test"] = spec.test_size
+    out = split_by_hash(pool, key, seed=spec.split_seed, sizes=sizes, rest="train")
+    for name, want in sizes.items():
+        if want and len(out[name]) < want:
+            raise DataError(
+                f"--{name}_size={want}: the {spec.domain} task pool has only {len(pool)} tasks; "
+                f"the {name} split got {len(out[name])}"
+            )
+    if spec.train_size:
+        if len(out["train"]) < spec.train_size:
+            raise DataError(
+                f"--train_size={spec.train_size}: only {len(out['train'])} tasks remain for "
+                "weight training after the other splits"
+            )
+        out["train"] = out["train"][: spec.train_size]  # the first in hash order: fixed by seed
+    if not out["train"]:
+        raise DataError(f"--data_dir/--*_size: no {spec.domain} tasks left for weight training")
+    return out

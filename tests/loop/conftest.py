@@ -60,3 +60,11 @@ def run_main(args: list[str], timeout: float = 280) -> subprocess.CompletedProce
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run(main_command(args), cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
+
+
+def metric_lines(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(x) for x in f.read().splitlines() if x.strip()]

@@ -126,7 +126,9 @@ def test_fetched_layout_is_what_the_loaders_read(tmp_path, domain):
         assert {t.gold for t in data.test} == {"204", "70"}
     if domain == "searchqa":
         groups = data.test_groups()
-        assert sorted(groups) == sorted(n for n, _ in fetch_data.SEARCHQA_TESTS)
+        assert sorted(groups) == sorted(
+            s.data_source for s in fetch_data.sources(domain) if s.data_source
+        )
         env = data.domain.new_env(data.train[0])
         assert env.retriever.retrieve(["author 3"], 1)[0]
     # A corrupted file fails verification and is fetched again.

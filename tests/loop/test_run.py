@@ -13,15 +13,7 @@ import time
 
 import pytest
 
-from tests.loop.conftest import REPO, main_command, run_main, small_run_flags
-
-
-def metric_lines(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(x) for x in f.read().splitlines() if x.strip()]
+from tests.loop.conftest import REPO, main_command, metric_lines, run_main, small_run_flags
 
 
 def shape(lines: list[dict]) -> list[tuple]:

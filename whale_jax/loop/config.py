@@ -18,11 +18,16 @@ import math
 import os
 from typing import Any
 
+from harness import domains
+from harness.judge import JUDGES
 from harness.search.phase import SearchConfig
 from whale_jax.train.rsft import RSFTConfig
 from whale_jax.train.trainer import TrainConfig
 
-DOMAINS = ("arith", "math", "searchqa", "chess")
+# DataConfig fields only some domains read (each folder's ``OPTIONS`` names its own).
+DOMAIN_OPTIONS = frozenset({"arith_difficulty", "arith_pool", "retriever_url", "math_verify",
+                            "test_per_source", "judge", "judge_model", "judge_base_url",
+                            "judge_api_key_env"})  # fmt: skip
 METHODS = ("whale", "weight-only", "harness-only", "fast-slow", "stagewise")
 SCHEDULES = ("fixed", "adaptive")
 PROPOSERS = ("offline", "gemini", "openai", "command")
@@ -47,6 +52,12 @@ class DataConfig:
     arith_pool: int = 2000  # generated arith problems before splitting
     retriever_url: str = ""  # searchqa: a Search-R1 retrieval server ("": BM25 in process)
     math_verify: bool = False  # math: fall back to math-verify when the boxed string differs
+    # searchqa: an LLM judge when exact match fails ("": none; openai | gemini), at temperature 0
+    judge: str = ""
+    judge_model: str = ""
+    judge_base_url: str = ""  # "": the provider's endpoint
+    judge_api_key_env: str = ""  # "": OPENAI_API_KEY / GEMINI_API_KEY
+    domain_dir: str = ""  # a directory of the user's own domain folders (harness.domains)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -213,7 +224,23 @@ def validate(config: RunConfig) -> None:
         if not ok:
             raise ConfigError(f"--{flag}: {why}")
 
-    need(d.domain in DOMAINS, "domain", f"{d.domain!r} is not one of {', '.join(DOMAINS)}")
+    if d.domain_dir:
+        try:
+            domains.add_domain_dir(d.domain_dir)
+        except ValueError as e:
+            raise ConfigError(f"--domain_dir: {e}") from None
+    need(d.domain in domains.names(), "domain",
+         f"{d.domain!r} is not one of {', '.join(domains.names())}")  # fmt: skip
+    try:
+        reads = set(getattr(domains.plugin(d.domain), "OPTIONS", ()))
+    except ValueError as e:
+        raise ConfigError(f"--domain: {e}") from None
+    defaults = DataConfig()
+    for name in sorted(DOMAIN_OPTIONS - reads):  # a domain's own flag set for a domain that ignores it
+        if getattr(d, name) != getattr(defaults, name):
+            raise ConfigError(f"--{name}: the {d.domain} domain does not read it")
+    need(d.judge in ("", *JUDGES), "judge", f"{d.judge!r}: expected openai or gemini")
+    need(not d.judge or bool(d.judge_model), "judge_model", f"--judge={d.judge} needs a model")
     need(s.method in METHODS, "method", f"{s.method!r} is not one of {', '.join(METHODS)}")
     need(s.schedule in SCHEDULES, "schedule", f"{s.schedule!r}: expected fixed or adaptive")
     need(p.kind in PROPOSERS, "proposer", f"{p.kind!r} is not one of {', '.join(PROPOSERS)}")
@@ -263,8 +290,6 @@ def validate(config: RunConfig) -> None:
     if config.searches and p.kind == "command":
         need("{prompt}" in p.command or "{prompt_file}" in p.command, "proposer_command",
              "the template needs {prompt} or {prompt_file} where the task goes")  # fmt: skip
-    if d.domain == "searchqa" and d.retriever_url and not d.retriever_url.startswith("http"):
-        raise ConfigError(f"--retriever_url: {d.retriever_url!r} is not an http(s) URL")
     need(d.arith_difficulty >= 1, "arith_difficulty", "levels start at 1")
     need(not config.initial_harness or os.path.isfile(config.initial_harness),
          "initial_harness", f"{config.initial_harness}: no such file")  # fmt: skip

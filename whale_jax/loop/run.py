@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from harness.domains import skill_text
 from harness.domains.base import Task
 from harness.executor import Executor, ExecutorConfig
 from harness.jail import Policy
@@ -31,7 +32,6 @@ from harness.model_api import SamplingSettings
 from harness.records import EpisodeRecord, task_rewards
 from harness.search.archive import Archive, read_json, write_atomic, write_json
 from harness.search.phase import HarnessPhase, PhaseInterrupted
-from harness.search.skills import skill_text
 from whale_jax.compiled import MappingGuard
 from whale_jax.loop import schedule as sched
 from whale_jax.loop.checkpoint import Checkpoints
@@ -157,6 +157,7 @@ class WhaleRun:
         self.mirror = None  # set up in setup() when config.mirror names one
         self._board_client = None  # a harness phase across hosts (setup; whale_jax/loop/hosts.py)
         self._board_token = ""  # this job's prefix of the board's keys (host 0's, at start)
+        self._domain_costs: dict[str, int] = {}  # the domain's cost counters as last added
         # CPU runs compile engine programs for each new prompt length; see whale_jax/compiled.py.
         self._mappings = MappingGuard(log=self.say)
 
@@ -170,6 +171,9 @@ class WhaleRun:
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
         s = self.state
+        for name, value in self.data.domain.costs().items():  # e.g. judge calls since the last line
+            s.counters[name] = s.counters.get(name, 0) + value - self._domain_costs.get(name, 0)
+            self._domain_costs[name] = value
         wall = s.wall_s + time.monotonic() - self._t_start
         record = {"kind": kind, "step": s.step, "epoch": round(self.cursor.epochs_done(len(self.data.train)), 6),
                   "harness": s.harness.get("id"), "time": round(time.time(), 3), "wall_s": round(wall, 3),
@@ -502,11 +506,11 @@ class WhaleRun:
                                         run_id=f"eval-{split}", step=-1 - s.step)  # fmt: skip
             s.counters["eval_episodes"] += len(records)
             s.counters["eval_tokens"] += sum(r.prompt_tokens + r.completion_tokens for r in records)
-            if split == "test" and self.data.domain.name == "searchqa":
-                groups = self.data.test_groups()
+            groups = self.data.test_groups() if split == "test" else {}
+            if len(groups) > 1:  # e.g. searchqa's benchmarks: each, and their macro-average
                 per = {g: mean_at_k(records, ts) for g, ts in groups.items()}
                 out["test_by_source"] = per
-                out["test"] = sum(per.values()) / len(per)  # the macro-average
+                out["test"] = sum(per.values()) / len(per)
             else:
                 out[split] = mean_at_k(records, tasks)
         s.counters["eval_s"] += time.monotonic() - t0

@@ -14,7 +14,7 @@ import pytest
 from harness.backends import ScriptedBackend
 from harness.budgets import Budgets
 from harness.domains import chess as chessdom
-from harness.domains import get_domain, searchqa
+from harness.domains import get_domain, searchqa, skill_text
 from harness.domains import math as mathdom
 from harness.domains.arith import ArithDomain, generate
 from harness.executor import Executor, ExecutorConfig
@@ -30,7 +30,6 @@ from harness.search.proposers.offline import (
     prompt_catalogue,
     render,
 )
-from harness.search.skills import skill_text
 from harness.search.validate import ValidationConfig
 from harness.static_check import check_source
 
@@ -286,9 +285,10 @@ def test_prompt_only_changes_only_string_constants(tmp_path, domain):
 
 def test_prompt_edit_keeps_a_format_template_working():
     source = (
-        'PROMPT = "Solve: {problem}. Box it as \\\\boxed{{}}."\n\n\n'
+        'USER_PROMPT_TEMPLATE = "Solve: {problem}. Box it as \\\\boxed{{}}."\n\n\n'
         "def run(task, model, tools):\n"
-        '    return model.chat([{"role": "user", "content": PROMPT.format(problem=task.question)}])\n'
+        "    content = USER_PROMPT_TEMPLATE.format(problem=task.question)\n"
+        '    return model.chat([{"role": "user", "content": content}])\n'
     )
     addition = next(v.value for v in prompt_catalogue("math") if v.id == "prompt-format-strict")
     edited = edit_prompt(source, addition)

