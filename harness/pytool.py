@@ -25,8 +25,8 @@ from harness.procs import Zygote
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PythonToolConfig:
-    timeout_s: float = 10.0
-    limits: sandbox.Limits = sandbox.Limits(memory_bytes=2 << 30, cpu_s=10, output_bytes=8 << 10)
+    timeout_s: float = 30.0  # the reference's code_interpreter: 30 s
+    limits: sandbox.Limits = sandbox.Limits(memory_bytes=2 << 30, cpu_s=30, output_bytes=8 << 10)
     max_parallel: int = 2  # processes at once, whatever the number of episodes
     sandbox: jail.Policy = jail.Policy()
     start_timeout_s: float = 120.0  # the tool zygote's start (imports sympy once)
