@@ -598,14 +598,19 @@ class _Run:
                 rec.reward, rec.extracted = 0.0, None
                 rec.error = f"verifier failed: {type(e).__name__}: {e}"
         if ep.attempt:
+            audited = True
             try:
                 answers = self.domain.answer_strings(ep.task, answer, rec.extracted, ep.env)
                 audits.audit(rec, ep.task.question, self.domain.gold_strings(ep.task), answers)
             except Exception:
                 rec.gold_in_prompt = rec.answer_from_harness = False
-            rec.sessions = verdicts.session_verdicts(
-                self.domain, ep.task, rec, ep.env, clean=clean and rec.error is None
-            )
+                audited = False  # unaudited prompts train nothing
+            try:
+                rec.sessions = verdicts.session_verdicts(
+                    self.domain, ep.task, rec, ep.env, clean=clean and audited and rec.error is None
+                )
+            except Exception as e:  # a domain hook's bug: nothing of the episode is trained
+                rec.sessions = verdicts.unscored(rec, f"verdicts failed: {type(e).__name__}: {e}")
         rec.score_s = time.monotonic() - t0
         ep.state = "done"
         self.remaining -= 1

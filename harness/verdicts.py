@@ -15,7 +15,8 @@ retries, checks), so each one that has trained (``train=True``) completions gets
   answer a harness cut out of a wrong completion ("42" out of "420") never trains that completion;
 - an episode the prompt audit flagged (gold or the submitted answer written into a prompt by the
   harness) trains nothing (``FLAGGED``), and neither does one that ended by a failure (a crash, a
-  timeout, an answer not found in any completion): its sessions are ``UNSCORED``.
+  timeout, an answer not found in any completion, an audit or a hook that failed): its sessions
+  are ``UNSCORED``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ def answer_sessions(record: EpisodeRecord) -> set[str]:
     return {call.session_id} if call is not None else set()
 
 
+def unscored(record: EpisodeRecord, why: str) -> list[SessionVerdict]:
+    """Every session with trained completions, not scored (so not trained), for ``why``."""
+    return [SessionVerdict(session_id=s, reward=None, origin=UNSCORED, detail=why[:300])
+            for s in last_trained_calls(record)]  # fmt: skip
+
+
 def session_verdicts(
     domain: Any, task: Any, record: EpisodeRecord, env: Any, *, clean: bool
 ) -> list[SessionVerdict]:
@@ -76,10 +83,7 @@ def session_verdicts(
     if not last:
         return []
     if not clean:
-        why = f"the episode ended by {record.stop_reason or 'an error'}"
-        return [
-            SessionVerdict(session_id=s, reward=None, origin=UNSCORED, detail=why) for s in last
-        ]
+        return unscored(record, f"the episode ended by {record.stop_reason or 'an error'}")
     if record.gold_in_prompt or record.answer_from_harness:
         why = "the prompt audit flagged the episode (harness-written gold or answer)"
         return [SessionVerdict(session_id=s, reward=None, origin=FLAGGED, detail=why) for s in last]

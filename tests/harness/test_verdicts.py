@@ -211,3 +211,21 @@ def run(task, model, tools):
     }  # fmt: skip
     rows, counts = trained(rec)
     assert counts["rows_played"] == 2 and len(rows) == 2
+
+
+def test_a_failing_verdict_hook_trains_nothing_and_costs_only_that(arith_tasks):
+    """The domain's verdict hook raising must not take the run down: its sessions are unscored."""
+    from harness.domains.arith import ArithDomain
+
+    class Broken(ArithDomain):
+        def credited_sessions(self, task, record, env):
+            raise RuntimeError("hook bug")
+
+    with make_executor() as ex:
+        records = ex.run(CHECKED, Broken(), arith_tasks[:2])
+    assert [r.reward for r in records] == [1.0, 1.0]
+    for rec in records:
+        ((origin, reward),) = verdicts(rec).values()
+        assert (origin, reward) == ("unscored", None)
+        assert "hook bug" in rec.sessions[0].detail
+        assert trained(rec)[0] == []
