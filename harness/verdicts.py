@@ -90,9 +90,13 @@ def session_verdicts(
     credited = domain.credited_sessions(task, record, env)
     kind = ANSWER if domain.answer_required else PLAYED
     out = []
+    answer = (record.answer or "").strip()
     for sid, call in last.items():
         try:
-            own = domain.score_completion(task, call.text)
+            if sid in credited and answer and call.text.strip() == answer:
+                own = record.reward  # the very text the episode was scored on (no second judge)
+            else:
+                own = domain.score_completion(task, call.text)
         except Exception as e:  # a verifier bug must not pass as a verdict
             out.append(SessionVerdict(session_id=sid, reward=None, origin=UNSCORED,
                                       detail=f"verifier failed: {type(e).__name__}: {e}"[:300]))  # fmt: skip

@@ -236,7 +236,8 @@ def validate(config: RunConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"--domain: {e}") from None
     defaults = DataConfig()
-    for name in sorted(DOMAIN_OPTIONS - reads):  # a domain's own flag set for a domain that ignores it
+    # A domain's own setting given to a domain that does not read it is a mistake, not a no-op.
+    for name in sorted(DOMAIN_OPTIONS - reads):
         if getattr(d, name) != getattr(defaults, name):
             raise ConfigError(f"--{name}: the {d.domain} domain does not read it")
     need(d.judge in ("", *JUDGES), "judge", f"{d.judge!r}: expected openai or gemini")

@@ -486,12 +486,13 @@ class WhaleRun:
                  **fields: Any) -> dict[str, Any] | None:  # fmt: skip
         """mean@k on test and validation with the current weights and harness (once per pair).
         ``candidate`` (harness id, source): a harness inside a search instead (stagewise's
-        evaluation along its search, on the host that searches): the best scores are tracked,
-        and no checkpoint is written (nothing it would hold has changed)."""
+        evaluation along its search, on the host that searches, once per top): the
+        best scores are tracked, no checkpoint is written (nothing it would hold has changed)
+        and the pair is not marked evaluated, so the phase's end evaluates on every host alike."""
         s, c = self.state, self.config
         harness_id = candidate[0] if candidate else s.harness["id"]
         key = [s.step, harness_id]
-        if s.last_eval == key or not (c.eval.test or c.eval.validation):
+        if (candidate is None and s.last_eval == key) or not (c.eval.test or c.eval.validation):
             return None
         t0 = time.monotonic()
         source, k = candidate[1] if candidate else self.harness_source(), c.eval.samples
@@ -514,7 +515,10 @@ class WhaleRun:
             else:
                 out[split] = mean_at_k(records, tasks)
         s.counters["eval_s"] += time.monotonic() - t0
-        s.last_eval = key
+        if (
+            candidate is None
+        ):  # every host evaluates the pairs a phase ends with: never skipped here
+            s.last_eval = key
         new_best_val = self._update_best(out, harness_id)
         line = self.emit("eval", **{k_: v for k_, v in out.items()}, samples=k,
                          **({"harness": harness_id} if candidate else {}))  # fmt: skip
@@ -672,12 +676,16 @@ class WhaleRun:
                 # hosts only host 0 is here: no agreement (the others wait on the board).
                 self.push_mirror(alone=board is not None)
 
+        evaluated: set[str] = set()
+
         def along(iteration: int, top) -> None:
             """Stagewise: the test score of the frontier's top after each iteration, so the
             best point (E*, I*) can be read off (evaluated again only when the top changes)."""
             name = os.path.basename(phase.phase.root)
             top_id = s.harness["id"] if top.name == "incoming" else f"{name}/{top.name}"
-            self.evaluate("search", candidate=(top_id, top.source), iteration=iteration)
+            if top_id not in evaluated:
+                evaluated.add(top_id)
+                self.evaluate("search", candidate=(top_id, top.source), iteration=iteration)
 
         phase = HarnessPhase(
             archive=self.archive, index=index, domain=self.data.domain, executor=self.executor,
