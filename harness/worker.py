@@ -150,6 +150,8 @@ class Model:
         }
         if not isinstance(train, bool):
             raise TypeError("train must be True or False")
+        if tools is not None and not isinstance(tools, list):
+            raise TypeError("tools must be a list of function schemas")
         extra = {} if tools is None else {"tools": tools}
         reply = self._link.request(
             "chat", messages=messages, settings=settings, train=train, **extra
