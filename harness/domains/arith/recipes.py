@@ -44,22 +44,22 @@ def prompt_catalogue() -> list[Variant]:
     """The prompt-only edits (the Fast-Slow control)."""
     return [
         prompt_edit("prompt-format-strict", " Write the result as an integer in digits, with a "
-             "leading minus sign if it is negative, and no words, units or commas.", fmt, 0.8,
-             "An explicit answer shape makes more replies parsable."),
+                    "leading minus sign if it is negative, and no words, units or commas.", fmt, 0.8,
+                    "An explicit answer shape makes more replies parsable."),
         prompt_edit("prompt-fewshot-3", ARITH_PROMPT_EXAMPLES, lambda e: 0.8 * fmt(e), 0.6,
-             "Examples of the reply format anchor it better than the instruction alone."),
+                    "Examples of the reply format anchor it better than the instruction alone."),
         prompt_edit("prompt-careful", " Add carefully, digit by digit, before you reply.", wrong, 0.5,
-             "Wrong answers suggest slips; an explicit call for care costs nothing."),
+                    "Wrong answers suggest slips; an explicit call for care costs nothing."),
         prompt_edit("prompt-no-words", " Do not start with words such as 'The answer is': the "
-             "first thing you write is the number.", lambda e: unparsed(e) + 0.3 * cut(e),
-             0.45, "Replies that open with words get cut or carry a stray number first; "
-             "a bare number first is what the verifier reads."),
+                    "first thing you write is the number.", lambda e: unparsed(e) + 0.3 * cut(e),
+                    0.45, "Replies that open with words get cut or carry a stray number first; "
+                    "a bare number first is what the verifier reads."),
         prompt_edit("prompt-precedence", " Multiply before you add or subtract; otherwise work "
-             "from left to right.", lambda e: 0.7 * e.frac(e.wrong), 0.35,
-             "Mixed expressions go wrong when the operations are done in reading order."),
+                    "from left to right.", lambda e: 0.7 * e.frac(e.wrong), 0.35,
+                    "Mixed expressions go wrong when the operations are done in reading order."),
         prompt_edit("prompt-sign", " When the result is below zero, write it with a leading minus "
-             "sign.", lambda e: 0.4 * e.frac(e.wrong), 0.2,
-             "Negative results lose their sign in bare-number replies."),
+                    "sign.", lambda e: 0.4 * e.frac(e.wrong), 0.2,
+                    "Negative results lose their sign in bare-number replies."),
     ]  # fmt: skip
 
 

@@ -91,26 +91,26 @@ def prompt_catalogue() -> list[Variant]:
     """The prompt-only edits (the Fast-Slow control)."""
     return [
         prompt_edit("prompt-format-strict", " Write the move exactly as it appears in the list of "
-             "legal moves.", lambda e: e.frac(e.count("malformed")) + 0.4 * missing(e), 0.8,
-             "Malformed and rejected attempts drop when the reply is a copied list entry."),
+                    "legal moves.", lambda e: e.frac(e.count("malformed")) + 0.4 * missing(e), 0.8,
+                    "Malformed and rejected attempts drop when the reply is a copied list entry."),
         prompt_edit("prompt-notation", " UCI notation names the square the piece leaves and the "
-             "square it lands on, joined without spaces or dashes (files a to h, ranks 1 to "
-             "8), plus q, r, b or n when a pawn promotes.",
-             lambda e: e.frac(e.count("malformed") + e.count("illegal")), 0.6,
-             "Illegal and malformed attempts suggest the notation is misread."),
+                    "square it lands on, joined without spaces or dashes (files a to h, ranks 1 to "
+                    "8), plus q, r, b or n when a pawn promotes.",
+                    lambda e: e.frac(e.count("malformed") + e.count("illegal")), 0.6,
+                    "Illegal and malformed attempts suggest the notation is misread."),
         prompt_edit("prompt-tactics", " Puzzles reward forcing moves: look at checks first, then "
-             "captures, then threats, and prefer the move that leaves the opponent the fewest "
-             "replies.", wrong, 0.5,
-             "Wrong moves in puzzles are usually quiet moves where a forcing one wins."),
+                    "captures, then threats, and prefer the move that leaves the opponent the fewest "
+                    "replies.", wrong, 0.5,
+                    "Wrong moves in puzzles are usually quiet moves where a forcing one wins."),
         prompt_edit("prompt-mate", " Look for a checkmate first: many puzzles end with one.",
-             lambda e: 0.8 * wrong(e), 0.45,
-             "Mating puzzles are lost by moves that win material instead of mating."),
+                    lambda e: 0.8 * wrong(e), 0.45,
+                    "Mating puzzles are lost by moves that win material instead of mating."),
         prompt_edit("prompt-reply", " Before you answer, consider the opponent's best reply to "
-             "your move.", lambda e: 0.7 * wrong(e), 0.35,
-             "Wrong moves are often refuted by one reply the model did not consider."),
+                    "your move.", lambda e: 0.7 * wrong(e), 0.35,
+                    "Wrong moves are often refuted by one reply the model did not consider."),
         prompt_edit("prompt-own-pieces", " Move only your own pieces: upper-case letters on the "
-             "board are White, lower-case are Black.", lambda e: e.frac(e.count("illegal")), 0.3,
-             "Illegal attempts include moves of the opponent's pieces."),
+                    "board are White, lower-case are Black.", lambda e: e.frac(e.count("illegal")), 0.3,
+                    "Illegal attempts include moves of the opponent's pieces."),
     ]  # fmt: skip
 
 

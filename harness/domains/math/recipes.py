@@ -53,28 +53,28 @@ def prompt_catalogue() -> list[Variant]:
     """The prompt-only edits (the Fast-Slow control)."""
     return [
         prompt_edit("prompt-format-strict", " End with exactly one \\boxed{} holding only the final "
-             "answer, simplified (an integer, a reduced fraction or an exact expression), "
-             "with no units or words inside the box.", fmt, 0.8,
-             "An explicit answer shape makes more replies parsable."),
+                    "answer, simplified (an integer, a reduced fraction or an exact expression), "
+                    "with no units or words inside the box.", fmt, 0.8,
+                    "An explicit answer shape makes more replies parsable."),
         prompt_edit("prompt-fewshot-1", MATH_PROMPT_EXAMPLE, lambda e: 0.8 * fmt(e), 0.6,
-             "A worked example shows where and how the boxed answer goes."),
+                    "A worked example shows where and how the boxed answer goes."),
         prompt_edit("prompt-check", " Before giving the answer, check it against the conditions of "
-             "the problem, substituting it back where you can.", wrong, 0.5,
-             "Wrong answers often fail a simple substitution check."),
+                    "the problem, substituting it back where you can.", wrong, 0.5,
+                    "Wrong answers often fail a simple substitution check."),
         prompt_edit("prompt-concise", " Keep the solution short: do not restate the problem or "
-             "repeat steps.", brief, 0.2,
-             "Budget stops and cut completions call for shorter solutions."),
+                    "repeat steps.", brief, 0.2,
+                    "Budget stops and cut completions call for shorter solutions."),
         prompt_edit("prompt-exact", " Give exact values (fractions, radicals, multiples of pi), not "
-             "decimal approximations, unless the problem asks for a decimal.",
-             lambda e: 0.6 * long(e) + 0.3 * short(e), 0.35,
-             "Strict matching rejects decimal approximations of exact answers."),
+                    "decimal approximations, unless the problem asks for a decimal.",
+                    lambda e: 0.6 * long(e) + 0.3 * short(e), 0.35,
+                    "Strict matching rejects decimal approximations of exact answers."),
         prompt_edit("prompt-plan", " First state what is asked and which quantities are known, "
-             "then solve.", lambda e: 0.5 * e.frac(e.wrong), 0.3,
-             "Wrong answers often solve for a different quantity than the one asked."),
+                    "then solve.", lambda e: 0.5 * e.frac(e.wrong), 0.3,
+                    "Wrong answers often solve for a different quantity than the one asked."),
         prompt_edit("prompt-python", " For long or error-prone computation, prefer the Python block "
-             "over working it out by hand.", lambda e: 0.5 * e.frac(e.wrong - e.count("tool_wrong")),
-             0.25, "Wrong answers without a tool turn include arithmetic slips that a short "
-             "program avoids."),
+                    "over working it out by hand.", lambda e: 0.5 * e.frac(e.wrong - e.count("tool_wrong")),
+                    0.25, "Wrong answers without a tool turn include arithmetic slips that a short "
+                    "program avoids."),
     ]  # fmt: skip
 
 

@@ -65,27 +65,27 @@ def prompt_catalogue() -> list[Variant]:
     """The prompt-only edits (the Fast-Slow control)."""
     return [
         prompt_edit("prompt-format-strict", " The answer inside the tags must be as short as "
-             "possible: a name, a date, a number or a short phrase, never a sentence.", fmt,
-             0.8, "Exact match rewards the bare entity; sentences inside the tags fail it."),
+                    "possible: a name, a date, a number or a short phrase, never a sentence.", fmt,
+                    0.8, "Exact match rewards the bare entity; sentences inside the tags fail it."),
         prompt_edit("prompt-fewshot-2", SEARCHQA_PROMPT_EXAMPLES, lambda e: 0.8 * fmt(e), 0.6,
-             "Examples show the bare-entity answer the verifier matches."),
+                    "Examples show the bare-entity answer the verifier matches."),
         prompt_edit("prompt-grounded", " Take the answer from the passage when it is there; if it "
-             "is not, give your best short answer rather than saying it is unknown.",
-             lambda e: wrong(e) + 0.5 * missing(e), 0.5,
-             "Refusals and off-passage answers score zero; a best guess sometimes scores."),
+                    "is not, give your best short answer rather than saying it is unknown.",
+                    lambda e: wrong(e) + 0.5 * missing(e), 0.5,
+                    "Refusals and off-passage answers score zero; a best guess sometimes scores."),
         prompt_edit("prompt-concise", " Reply briefly.", brief, 0.2,
-             "Budget stops and cut completions call for shorter replies."),
+                    "Budget stops and cut completions call for shorter replies."),
         prompt_edit("prompt-answer-type", " First decide what kind of answer the question wants (a "
-             "person, a place, a date, a number or a thing) and answer with exactly that.",
-             lambda e: 0.8 * e.frac(e.wrong), 0.45,
-             "Wrong answers often name the right passage's other entity, not the kind of "
-             "thing asked."),
+                    "person, a place, a date, a number or a thing) and answer with exactly that.",
+                    lambda e: 0.8 * e.frac(e.wrong), 0.45,
+                    "Wrong answers often name the right passage's other entity, not the kind of "
+                    "thing asked."),
         prompt_edit("prompt-names", " Write names as the passage writes them, without titles or "
-             "extra words.", lambda e: 0.5 * e.frac(e.wrong) + 0.3 * unparsed(e), 0.3,
-             "Exact match fails on added titles and words around the name."),
+                    "extra words.", lambda e: 0.5 * e.frac(e.wrong) + 0.3 * unparsed(e), 0.3,
+                    "Exact match fails on added titles and words around the name."),
         prompt_edit("prompt-bridge", " When the question links two things, find the first in the "
-             "passages, then answer about the second.", lambda e: 0.6 * e.frac(e.wrong), 0.25,
-             "Two-hop questions are answered about the bridge entity instead of the target."),
+                    "passages, then answer about the second.", lambda e: 0.6 * e.frac(e.wrong), 0.25,
+                    "Two-hop questions are answered about the bridge entity instead of the target."),
     ]  # fmt: skip
 
 
