@@ -79,6 +79,7 @@ def run(task, model, tools):
 def workloads():
     from harness.domains import arith
     from harness.domains import math as mathdom
+
     h0 = arith.ArithDomain().seed_harness()
     return {
         "h0": (h0, arith.ArithDomain(), lambda n, s: arith.generate(n, seed=s)),
