@@ -32,10 +32,28 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_model import machine_info, save_results  # noqa: E402
 
+from harness.search import frontier  # noqa: E402
+from harness.search.archive import Archive  # noqa: E402
 from whale_jax.loop.report import write_report  # noqa: E402
 from whale_jax.train.rows import ROW_ORIGINS, SESSION_OUTCOMES  # noqa: E402
 
 ROW_KEYS = ("kept", "rows", *ROW_ORIGINS, *SESSION_OUTCOMES)
+
+
+def accepted_by_cost(run_dir: str) -> list[dict[str, dict]]:
+    """Per harness phase of the run, the candidate each cost axis of the frontier accepts, from the
+    archive's summaries (the proposals do not depend on the axis: the offline proposer builds on
+    the best candidate by success, then turns)."""
+    out = []
+    for phase in Archive(os.path.join(run_dir, "archive")).phases():
+        cands = phase.candidates()
+        scored = [(c.name, c.summary) for c in cands if c.summary is not None]
+        if scored:
+            incoming = cands[0].name
+            picks = {cost: frontier.accept(scored, incoming, cost=cost) for cost in frontier.COSTS}
+            out.append({cost: {"accepted": name, "frontier": front}
+                        for cost, (name, front, _) in picks.items()})  # fmt: skip
+    return out
 
 
 def rsft_totals(run_dir: str) -> dict[str, int]:
@@ -94,6 +112,7 @@ def main(argv=None) -> int:
                 "wall_s": round(time.perf_counter() - t0, 1),
                 "accepted_harness": s["harness"]["id"],
                 **rsft_totals(os.path.join(REPO, run_dir)),
+                "accepted_by_cost": accepted_by_cost(os.path.join(REPO, run_dir)),
             }
             rows[method].append(row)
             print(f"{method:13s} seed {seed}: initial {row['initial_test']:.3f} -> final "
