@@ -11,8 +11,10 @@ retries, checks), so each one that has trained (``train=True``) completions gets
   credits the sessions whose moves were played (``PLAYED``);
 - every other session is scored by the domain on its own last trained completion (``VERIFIED``),
   or, where the domain cannot score one alone, is not trained (``UNSCORED``);
-- a credited session that the domain can also score alone takes the lower of the two, so an
-  answer a harness cut out of a wrong completion ("42" out of "420") never trains that completion;
+- a credited session that the domain can also score alone takes the lower of the two, its own
+  score read from where the submitted answer starts in its last trained completion: an answer a
+  harness cut out of a wrong completion ("42" out of "420") never trains that completion, and one
+  it took from the end of a right one ("Answer: 42") does;
 - an episode the prompt audit flagged (gold or the submitted answer written into a prompt by the
   harness) trains nothing (``FLAGGED``), and neither does one that ended by a failure (a crash, a
   timeout, an answer not found in any completion, an audit or a hook that failed): its sessions
@@ -68,6 +70,14 @@ def answer_sessions(record: EpisodeRecord) -> set[str]:
     return {call.session_id} if call is not None else set()
 
 
+def tail(text: str, answer: str) -> str:
+    """What a credited completion is scored on: from the last place the submitted answer starts
+    (a harness may cut the answer out of the reply: "Answer: 42" -> "42"; "42" cut out of "420"
+    then reads "420"), or the whole text when the answer is not in it."""
+    at = text.rfind(answer) if answer else -1
+    return text[at:] if at >= 0 else text
+
+
 def unscored(record: EpisodeRecord, why: str) -> list[SessionVerdict]:
     """Every session with trained completions, not scored (so not trained), for ``why``."""
     return [SessionVerdict(session_id=s, reward=None, origin=UNSCORED, detail=why[:300])
@@ -93,10 +103,11 @@ def session_verdicts(
     answer = (record.answer or "").strip()
     for sid, call in last.items():
         try:
-            if sid in credited and answer and call.text.strip() == answer:
+            text = tail(call.text, answer if sid in credited else "")
+            if sid in credited and answer and text.strip() == answer:
                 own = record.reward  # the very text the episode was scored on (no second judge)
             else:
-                own = domain.score_completion(task, call.text)
+                own = domain.score_completion(task, text)
         except Exception as e:  # a verifier bug must not pass as a verdict
             out.append(SessionVerdict(session_id=sid, reward=None, origin=UNSCORED,
                                       detail=f"verifier failed: {type(e).__name__}: {e}"[:300]))  # fmt: skip

@@ -67,6 +67,9 @@ def chess_model(request) -> str:
     told = re.search(r"repeat exactly: (\S+)", text)
     if told:
         return told.group(1)
+    row = re.search(r"^- \[(\w+)\] SAN=", text, re.MULTILINE)  # h0's legal-move rows
+    if row:
+        return "<move>" + row.group(1) + "</move>"
     legal = re.search(r"Legal moves: (.*)", text)
     return legal.group(1).split()[0] if legal else "0000"
 

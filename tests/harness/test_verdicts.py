@@ -229,3 +229,23 @@ def test_a_failing_verdict_hook_trains_nothing_and_costs_only_that(arith_tasks):
         assert (origin, reward) == ("unscored", None)
         assert "hook bug" in rec.sessions[0].detail
         assert trained(rec)[0] == []
+
+
+def test_an_answer_taken_from_the_end_of_a_right_completion_trains_it(arith, arith_tasks):
+    """"12 + 30 = 42\\nAnswer: 42" read whole gives arith's first integer, 12; the harness submits
+    the final "42", and the completion is scored from where that submission starts."""
+    src = """
+def run(task, model, tools):
+    reply = model.chat([{"role": "user", "content": task.question}])
+    return reply[reply.rfind("Answer: ") + len("Answer: "):]
+"""
+
+    def worked(request):
+        a, b = (int(x) for x in re.findall(r"\d+", request.messages[-1]["content"]))
+        return f"{a} + {b} = {a + b}\nAnswer: {a + b}"
+
+    with make_executor(respond=worked) as ex:
+        (rec,) = ex.run(src, arith, arith_tasks[:1])
+    assert rec.reward == 1.0 and rec.answer == str(arith_tasks[0].gold)
+    assert verdicts(rec) == {"s0": ("answer", 1.0)}
+    assert len(trained(rec)[0]) == 1
