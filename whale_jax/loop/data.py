@@ -9,7 +9,7 @@ file is an error naming it, the flag and the command that fetches it.
 
 from __future__ import annotations
 
-from harness.domains import plugin
+from harness.domains import add_domain_dir, plugin
 from harness.domains.base import DataError, DomainData
 from whale_jax.loop.config import ConfigError, DataConfig
 
@@ -20,6 +20,8 @@ def load_domain_data(cfg: DataConfig) -> DomainData:
     """The domain folder's ``load`` (``harness.domains``); its bad input is a ``ConfigError``
     (exit 2) naming the flag or file."""
     try:
+        if cfg.domain_dir:
+            add_domain_dir(cfg.domain_dir)
         return plugin(cfg.domain).load(cfg)
     except DataError as e:
         raise ConfigError(str(e)) from None
