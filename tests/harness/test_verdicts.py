@@ -232,7 +232,7 @@ def test_a_failing_verdict_hook_trains_nothing_and_costs_only_that(arith_tasks):
 
 
 def test_an_answer_taken_from_the_end_of_a_right_completion_trains_it(arith, arith_tasks):
-    """"12 + 30 = 42\\nAnswer: 42" read whole gives arith's first integer, 12; the harness submits
+    """ "12 + 30 = 42\\nAnswer: 42" read whole gives arith's first integer, 12; the harness submits
     the final "42", and the completion is scored from where that submission starts."""
     src = """
 def run(task, model, tools):
