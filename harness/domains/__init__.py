@@ -103,10 +103,6 @@ def folder_of(name: str) -> Path:
     return _folders()[name]
 
 
-def seed_harness(name: str) -> str:
-    return (folder_of(name) / "h0.py").read_text(encoding="utf-8")
-
-
 def skill_text(name: str) -> str:
     """The proposer's skill text of domain ``name``; ValueError naming the domain otherwise."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
