@@ -167,6 +167,12 @@ class _Checker(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_MatchClass(self, node: ast.MatchClass) -> None:
+        # A positional sub-pattern reads the attribute its class's __match_args__ names, a name
+        # computed at run time (a class built by type() can carry any), so the check could not
+        # see which attribute is read. Keyword sub-patterns name theirs in the source.
+        if node.patterns:
+            self.bad(node, "positional sub-patterns in a class pattern are not allowed; "
+                           "name the attributes (case Point(x=a))")  # fmt: skip
         for attr in node.kwd_attrs:
             self.ident(node, attr, "attribute")
             if attr in BANNED_ATTRIBUTES:

@@ -84,9 +84,10 @@ for path in {SENTINELS!r}:  # private tmpfs: allowed, and must not reach the hos
 print(" ".join(found))
 """
 
-# The static check passes this, yet it reads any attribute by a computed name: a class whose
-# metaclass accepts every instance and whose __match_args__ names the attribute. It reaches the
-# episode runtime's module globals (real os, the socket module through ipc) and tries every way out.
+# A read of any attribute by a computed name: a class whose metaclass accepts every instance and
+# whose __match_args__ names the attribute. The static check refuses positional class patterns;
+# with the Python layers off it reaches the episode runtime's module globals (real os, the socket
+# module through ipc) and tries every way out, and the OS layer alone must contain it.
 GRAB = """
 D = "_" * 2
 Meta = type("Meta", (type,), {D + "instancecheck" + D: lambda cls, obj: True})
@@ -151,8 +152,8 @@ CASES = [
     ("write_outside", body("open('/tmp/whale-escape', 'w').write('x')"), {"static_check"},
      {"no_answer"}),
     ("os_layer", OS_PLAIN, {"static_check"}, {"no_answer"}),
-    ("match_trick", MATCH_TRICK, {"sandbox_violation", "no_answer"}, {"no_answer"}),
-    ("audit_rebind", AUDIT_REBIND, {"sandbox_violation"}, {"error"}),
+    ("match_trick", MATCH_TRICK, {"static_check"}, {"no_answer"}),
+    ("audit_rebind", AUDIT_REBIND, {"static_check"}, {"error"}),
     ("dev_shm_fill", "import os\n" + body(
         "with open('/dev/shm/fill', 'wb') as f:\n    while True:\n        f.write(b'x' * (1 << 20))"),
      {"static_check"}, {"error"}),

@@ -48,6 +48,7 @@ def violations(src: str) -> list[str]:
         ("x: '__import__(1)' = 1" + OK_BODY, "dunder name"),
         ("def f(_x):\n    return 1" + OK_BODY, "argument '_x'"),
         ("match 1:\n    case int(__class__=c):\n        pass" + OK_BODY, "'__class__'"),
+        ("match 1:\n    case int(c):\n        pass" + OK_BODY, "positional sub-patterns"),
     ],
 )
 def test_rejects(src, expected):
@@ -64,6 +65,9 @@ def test_accepts_ordinary_harness():
         "        content = PROMPT.format(question=task.question)\n"
         "        reply = model.chat([{'role': 'user', 'content': content}])\n"
         "        votes[reply.strip()] += 1\n"
+        "    match reply:\n"
+        "        case str(real=r) | {'answer': r}:\n"
+        "            pass\n"
         "    return votes.most_common(1)[0][0] if votes else None\n"
     )
     assert violations(src) == []
