@@ -50,8 +50,8 @@ def load_models(name: str, tmp: Path):
         model, cfg, _ = whale_jax.load_model(tmp)
         return model, tmodel, cfg
     if name == "smollm2":
-        from whale_jax.loading import source_of
-        from whale_jax.weights import save_hf
+        from whale_jax.io.load import source_of
+        from whale_jax.io.safetensors import save_hf
 
         model, cfg, _ = whale_jax.load_model("smollm2")
         save_hf(model, tmp, source_of(model).hf_config)  # the GGUF's weights, dequantised, as HF
@@ -63,7 +63,7 @@ def load_models(name: str, tmp: Path):
 
 def flops_per_token(cfg, context: float) -> float:
     """Matmul FLOPs of one decode token at an average attended context."""
-    from whale_jax.config import FULL
+    from whale_jax.models.config import FULL
 
     params = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     attn = sum(4 * context * cfg.num_heads * cfg.head_dim for k in cfg.layer_types if k == FULL)

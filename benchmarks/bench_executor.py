@@ -21,8 +21,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from harness.api import Budgets  # noqa: E402
 from harness.backends import ScriptedBackend  # noqa: E402
-from harness.budgets import Budgets  # noqa: E402
 from harness.domains.arith import ArithDomain, generate  # noqa: E402
 from harness.executor import Executor, ExecutorConfig  # noqa: E402
 

@@ -141,7 +141,7 @@ def workload_shape(records) -> tuple[int, int]:
 
 def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
     from harness.executor import Executor, ExecutorConfig
-    from whale_jax.client import EngineClient
+    from whale_jax.engine.client import EngineClient
 
     source, domain, make_tasks = spec
     options = dict(slots=args.slots, max_len=args.max_len, steps=args.steps,
@@ -294,7 +294,7 @@ def main(argv=None) -> int:
         sys.setswitchinterval(args.switch_interval)
     import jax
 
-    from whale_jax.loading import load_model
+    from whale_jax.io.load import load_model
 
     model, _, tokenizer = load_model("smollm2")
     specs = workloads()

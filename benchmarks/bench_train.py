@@ -370,10 +370,10 @@ def aot_child(spec: dict) -> dict:
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from whale_jax.config import ModelConfig
+    from whale_jax.io.safetensors import abstract_model
+    from whale_jax.models.config import ModelConfig
     from whale_jax.sharding import make_mesh
     from whale_jax.train.trainer import OptimConfig, TrainConfig, Trainer
-    from whale_jax.weights import abstract_model
 
     hf = dict(AOT_MODELS[spec["model"]])
     if spec["layers"]:

@@ -23,15 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_model import save_results  # noqa: E402
 
+from harness.api import SamplingSettings  # noqa: E402
 from harness.domains import skill_text  # noqa: E402
 from harness.executor import Executor, ExecutorConfig  # noqa: E402
-from harness.model_api import SamplingSettings  # noqa: E402
 from harness.search import frontier  # noqa: E402
 from harness.search.archive import Archive  # noqa: E402
 from harness.search.phase import HarnessPhase, SearchConfig  # noqa: E402
 from harness.search.proposers.offline import OfflineProposer  # noqa: E402
-from whale_jax.client import EngineClient  # noqa: E402
-from whale_jax.loading import load_model  # noqa: E402
+from whale_jax.engine.client import EngineClient  # noqa: E402
+from whale_jax.io.load import load_model  # noqa: E402
 from whale_jax.loop.config import DataConfig  # noqa: E402
 from whale_jax.loop.data import load_domain_data  # noqa: E402
 

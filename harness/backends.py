@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from harness.model_api import ChatRequest, ChatResult
+from harness.api import ChatRequest, ChatResult
 from harness.tool_calls import parse_tool_calls
 
 IM_START, IM_END = 256, 257

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from harness.model_api import ToolCall
+from harness.api import ToolCall
 
 MALFORMED_TOOL_CALL = "malformed_tool_call"
 

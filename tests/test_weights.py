@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from tests.conftest import assert_close_to_scale
 from whale_jax import ModelConfig, load_model, source_of
-from whale_jax.weights import CheckpointError, save_hf
+from whale_jax.io.safetensors import CheckpointError, save_hf
 
 
 def read_tensors(directory):

@@ -1,7 +1,7 @@
 """whale_jax: WHALE (Weight-Harness Alternating LEarning) in JAX/Flax."""
 
-from whale_jax.config import ModelConfig
-from whale_jax.loading import LoadedModel, load_model, random_model, source_of
+from whale_jax.io.load import LoadedModel, load_model, random_model, source_of
+from whale_jax.models.config import ModelConfig
 from whale_jax.models.transformer import DecodeCache, Transformer
 
 __all__ = [

@@ -14,6 +14,8 @@ import time
 import jax.numpy as jnp
 from absl import app, flags
 
+from harness.api import SamplingSettings
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2", "Checkpoint directory, .gguf file, hub id, or 'smollm2'.")
 flags.DEFINE_string("prompt", None, "The user message (or raw text with --raw).")
@@ -50,7 +52,7 @@ def main(argv):
         raise app.UsageError("--prompt is required")
     from whale_jax.engine.engine import Engine, EngineConfig
     from whale_jax.engine.requests import Request, Sampling
-    from whale_jax.loading import load_model
+    from whale_jax.io.load import load_model
 
     t0 = time.time()
     model, cfg, tokenizer = load_model(FLAGS.model, dtype=jnp.dtype(FLAGS.dtype))
@@ -72,11 +74,13 @@ def main(argv):
         eos_ids=eos,
         detokenize=tokenizer.decode,
     )
-    sampling = Sampling(
-        temperature=FLAGS.temperature,
-        top_k=FLAGS.top_k,
-        top_p=FLAGS.top_p,
-        max_new_tokens=FLAGS.max_new_tokens,
+    sampling = Sampling.from_settings(
+        SamplingSettings(
+            temperature=FLAGS.temperature,
+            top_k=FLAGS.top_k,
+            top_p=FLAGS.top_p,
+            max_new_tokens=FLAGS.max_new_tokens,
+        )
     )
     try:
         (done,) = engine.generate([Request(prompt_ids=tuple(ids), sampling=sampling)])

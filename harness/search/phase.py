@@ -23,11 +23,11 @@ from typing import Any
 from harness.domains.base import Domain, Task
 from harness.executor import Executor
 from harness.records import summarize, task_rewards
+from harness.sandbox.static_check import check_source
 from harness.search import frontier
 from harness.search.archive import Archive, Candidate, Phase, Proposal, summary_dict
 from harness.search.proposers.base import Proposer, ProposeRequest
 from harness.search.validate import ValidationConfig, validate
-from harness.static_check import check_source
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

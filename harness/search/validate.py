@@ -22,12 +22,12 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
+from harness.api import ChatRequest
 from harness.backends import ScriptedBackend
 from harness.domains.base import Domain, Task
 from harness.executor import Executor
-from harness.model_api import ChatRequest
 from harness.records import EpisodeRecord
-from harness.static_check import check_source
+from harness.sandbox.static_check import check_source
 
 HARNESS_FAILURES = frozenset(
     {"static_check", "harness_load", "sandbox_violation", "error", "timeout", "worker_died",

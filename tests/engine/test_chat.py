@@ -2,7 +2,7 @@
 
 import pytest
 
-from whale_jax.chat import (
+from whale_jax.engine.chat import (
     MALFORMED_TOOL_CALL,
     ToolCall,
     chatml_format,

@@ -5,11 +5,11 @@ import concurrent.futures
 
 import pytest
 
-from harness.model_api import ChatBackend, ChatRequest, RngKey, SamplingSettings
+from harness.api import ChatBackend, ChatRequest, RngKey, SamplingSettings
 from harness.records import ANSWER, EpisodeRecord, ModelCallRecord, SessionVerdict
-from whale_jax.chat import qwen3_5_format
-from whale_jax.client import EngineClient
 from whale_jax.engine import Request, Sampling
+from whale_jax.engine.chat import qwen3_5_format
+from whale_jax.engine.client import EngineClient
 from whale_jax.train.rows import rows_from_records
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant."}
@@ -93,8 +93,7 @@ def test_three_turn_session_is_one_row(client, qwen_tokenizer):
     settings = SamplingSettings(max_new_tokens=6)
     again = client.engine.generate([Request(
         prompt_ids=second.prompt_ids,
-        sampling=Sampling(temperature=settings.temperature, top_k=settings.top_k,
-                          top_p=settings.top_p, max_new_tokens=6),
+        sampling=Sampling.from_settings(settings),
         identity=ask([], call=1).rng.as_tuple(),
         cache=False,
     )])[0]  # fmt: skip
@@ -227,7 +226,7 @@ def test_remembered_renders_stay_within_their_byte_bound(client, qwen_tokenizer,
     """Long prompts must not grow the memo without bound: least recently used entries go first
     once keys, texts and ids (4 bytes a token) pass the bound, and a dropped entry renders anew
     to the same ids."""
-    import whale_jax.client as client_module
+    import whale_jax.engine.client as client_module
 
     fmt = qwen3_5_format()
     bound = 4000

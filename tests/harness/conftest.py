@@ -4,11 +4,11 @@ import re
 
 import pytest
 
+from harness.api import Budgets
 from harness.backends import ScriptedBackend
-from harness.budgets import Budgets
 from harness.domains.arith import ArithDomain, generate
 from harness.executor import Executor, ExecutorConfig
-from harness.sandbox import Limits
+from harness.sandbox.python_layer import Limits
 
 # Tight limits keep the hostile cases fast; the defaults are for real runs.
 TEST_BUDGETS = Budgets(assistant_tokens=256, turns=4, model_calls=8, wall_s=20.0, step_s=1.5)

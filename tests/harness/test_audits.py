@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from harness.audits import gold_in_prompts, harness_written
 from harness.backends import ScriptedBackend
 from harness.domains import chess as chessdom
 from harness.executor import Executor, ExecutorConfig
+from harness.executor.audits import gold_in_prompts, harness_written
 from harness.records import EpisodeRecord, ModelCallRecord, ToolCallRecord
 from tests.harness.conftest import TEST_LIMITS
 

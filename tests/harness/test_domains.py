@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from harness.budgets import Budgets
+from harness.api import Budgets
 from harness.data import DataError
 from harness.domains import arith, searchqa
 from harness.domains import chess as chessdom
@@ -179,7 +179,7 @@ def test_search_r1_loader(tmp_path):
 
 
 def test_bm25_search_tool_over_the_offline_corpus():
-    from harness.retrieval import BM25Retriever
+    from harness.domains.searchqa.retrieval import BM25Retriever
 
     docs, tasks = searchqa.countryinfo_corpus()
     assert len(docs) > 200 and any(t.meta["hops"] == 2 for t in tasks)
@@ -191,7 +191,7 @@ def test_bm25_search_tool_over_the_offline_corpus():
 
 
 def test_retrieval_server_round_trip():
-    from harness.retrieval import BM25Retriever, HTTPRetriever, serve
+    from harness.domains.searchqa.retrieval import BM25Retriever, HTTPRetriever, serve
 
     docs = [{"id": "1", "contents": '"Oslo"\nOslo is the capital of Norway.'},
             {"id": "2", "contents": '"Lima"\nLima is the capital of Peru.'}]  # fmt: skip

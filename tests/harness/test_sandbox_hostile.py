@@ -16,7 +16,7 @@ import pytest
 import harness
 from harness.domains import chess as chessdom
 from harness.domains.arith import generate
-from harness.jail import Policy, landlock_abi
+from harness.sandbox.jail import Policy, landlock_abi
 from tests.harness.conftest import TEST_BUDGETS, make_executor
 
 GOOD = """
@@ -120,7 +120,7 @@ AUDIT_REBIND = (
 
 def run(task, model, tools):
     g = grab(grab(type(model), "chat"), D + "globals" + D)
-    table = grab(g["sandbox"], D + "dict" + D)
+    table = grab(g["python_layer"], D + "dict" + D)
     for name in ("_BLOCKED_PREFIXES", "_PATH_EVENTS", "_CODE_SUFFIXES"):
         table[name] = ()
     table["os"] = None
@@ -253,7 +253,7 @@ def test_weaker_modes_hold(policy, arith, arith_tasks):
 
 
 def test_strict_mode_refuses_shared_uids_loudly(arith, arith_tasks):
-    from harness.procs import SandboxUnavailable
+    from harness.sandbox.supervisor import SandboxUnavailable
 
     with make_executor(sandbox=Policy(user_namespace=True)) as ex:
         with pytest.raises(SandboxUnavailable, match="shared_uid"):
@@ -261,7 +261,7 @@ def test_strict_mode_refuses_shared_uids_loudly(arith, arith_tasks):
 
 
 def test_environment_is_scrubbed(monkeypatch):
-    from harness.pytool import PythonToolConfig, run_python
+    from harness.sandbox.run_python import PythonToolConfig, run_python
 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-not-for-sandboxes")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-for-sandboxes")
@@ -272,7 +272,7 @@ def test_environment_is_scrubbed(monkeypatch):
 
 def test_math_tool_code_is_jailed():
     """Model-written code has no static check: only the OS layer stands in its way."""
-    from harness.pytool import PythonToolConfig, run_python
+    from harness.sandbox.run_python import PythonToolConfig, run_python
 
     code = "import fcntl, os, socket, numpy, sympy\n" + ATTEMPTS + "\nprint(numpy.arange(4).sum())"
     out = run_python(code, PythonToolConfig(timeout_s=30))

@@ -15,8 +15,8 @@ from harness.domains import chess as chessdom
 from harness.domains import math as mathdom
 from harness.domains import searchqa
 from harness.domains.arith import ArithDomain, generate
+from harness.domains.searchqa.retrieval import BM25Retriever
 from harness.executor import Executor, ExecutorConfig
-from harness.retrieval import BM25Retriever
 
 NORMAL_STOPS = {"answered", "no_answer", "solved", "failed"}
 
@@ -101,7 +101,7 @@ def test_h0_with_an_oracle_model(name, corpus, puzzles, math_tasks):
 @pytest.fixture(scope="module")
 def engine_backend():
     """The rollout engine with the bundled SmolLM2-135M, as a ChatBackend."""
-    from whale_jax.client import make_test_backend
+    from whale_jax.engine.client import make_test_backend
 
     backend = make_test_backend()
     yield backend

@@ -4,7 +4,7 @@ import pytest
 
 from harness.domains import get_domain
 from harness.domains.base import BASE_IMPORTS
-from harness.static_check import StaticCheckError, check_source, validate
+from harness.sandbox.static_check import StaticCheckError, check_source, validate
 
 OK_BODY = "\ndef run(task, model, tools):\n    return model.chat([])\n"
 

@@ -23,11 +23,11 @@ TINY_HF = {
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from whale_jax.config import ModelConfig
-    from whale_jax.gguf_io import find_smollm2_gguf
-    from whale_jax.loading import random_model
-    from whale_jax.tokenizer_gguf import tokenizer_from_gguf
-    from whale_jax.weights import save_hf
+    from whale_jax.io.gguf import find_smollm2_gguf
+    from whale_jax.io.gguf_tokenizer import tokenizer_from_gguf
+    from whale_jax.io.load import random_model
+    from whale_jax.io.safetensors import save_hf
+    from whale_jax.models.config import ModelConfig
 
     out = tmp_path_factory.mktemp("tiny_smol")
     model = random_model(ModelConfig.from_hf(TINY_HF), seed=0)

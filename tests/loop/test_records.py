@@ -124,7 +124,7 @@ def test_missing_data_names_the_file_and_the_fetch_command(tmp_path):
 
 @pytest.fixture(scope="module")
 def trainer(fixtures_dir):
-    from whale_jax.loading import load_model
+    from whale_jax.io.load import load_model
     from whale_jax.train.trainer import TrainConfig, Trainer
 
     model, _, _ = load_model(fixtures_dir / "tiny_llama")
@@ -182,7 +182,7 @@ def test_checkpoint_round_trip_retention_and_fallback(tmp_path, trainer):
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, trainer, fixtures_dir):
-    from whale_jax.loading import load_model
+    from whale_jax.io.load import load_model
     from whale_jax.loop.checkpoint import CheckpointMismatch, Checkpoints
     from whale_jax.train.trainer import TrainConfig, Trainer
 

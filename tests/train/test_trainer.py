@@ -225,8 +225,8 @@ SHARDED = textwrap.dedent(
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
     from tests.conftest import tiny_hf_config
-    from whale_jax.config import ModelConfig
-    from whale_jax.weights import abstract_model
+    from whale_jax.models.config import ModelConfig
+    from whale_jax.io.safetensors import abstract_model
     cfg = ModelConfig.from_hf(tiny_hf_config(hidden_size=256, intermediate_size=768,
         vocab_size=4096, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64))
     mesh = make_mesh(data=1, fsdp=8, tp=1)

@@ -38,8 +38,8 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import SingleDeviceSharding
 
-from whale_jax.config import FULL
 from whale_jax.engine.sampling import SlotSampling, sample
+from whale_jax.models.config import FULL
 from whale_jax.models.transformer import KV_SEQ_AXIS, DecodeCache, Transformer, split_groups
 
 Array = jax.Array

@@ -1,6 +1,6 @@
 """What goes into the engine and what comes out: token-level requests and completions.
 
-Text, chat templates and sessions live above the engine (``whale_jax.chat``, ``whale_jax.client``);
+Text, chat templates and sessions live above the engine (``whale_jax.engine.chat``, ``whale_jax.engine.client``);
 the engine sees token ids, sampling settings, an RNG identity and stop conditions.
 """
 
@@ -9,17 +9,34 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from harness.api import SamplingSettings
+
+_DEFAULT = SamplingSettings()
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
-    """``temperature <= 0``: greedy; ``top_k <= 0``: no top-k; ``top_p = 1``: no top-p."""
+    """``SamplingSettings`` at the token level, with its defaults: ``temperature <= 0``: greedy;
+    ``top_k <= 0``: no top-k; ``top_p = 1``: no top-p."""
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 256
+    temperature: float = _DEFAULT.temperature
+    top_k: int = _DEFAULT.top_k
+    top_p: float = _DEFAULT.top_p
+    max_new_tokens: int = _DEFAULT.max_new_tokens
     stop_ids: tuple[int, ...] = ()  # in addition to the engine's EOS ids
     stop_strings: tuple[str, ...] = ()
+
+    @classmethod
+    def from_settings(cls, settings: SamplingSettings, stop_ids: tuple[int, ...] = ()) -> Sampling:
+        """The one way from a call's settings to the engine's (thinking is the template's)."""
+        return cls(
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            max_new_tokens=settings.max_new_tokens,
+            stop_ids=tuple(stop_ids),
+            stop_strings=tuple(settings.stop),
+        )
 
 
 GREEDY = Sampling(temperature=0.0)

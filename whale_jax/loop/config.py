@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from harness import domains
+from harness.api import SamplingSettings
 from harness.judge import JUDGES
 from harness.search.phase import SearchConfig
 from whale_jax.train.rsft import RSFTConfig
@@ -62,7 +63,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSettings:
-    model: str = "smollm2"  # a directory, .gguf, hub id or "smollm2" (see whale_jax.loading)
+    model: str = "smollm2"  # a directory, .gguf, hub id or "smollm2" (see whale_jax.io.load)
     dtype: str = "float32"  # engine weights and activations
     engine_slots: int = 64
     max_len: int = 2048  # tokens per engine slot (prompt + completion of one call)
@@ -73,6 +74,11 @@ class ModelSettings:
     concurrency: int = 0  # episodes in flight (0: twice the engine slots)
     engine_cache_rows: int = 0  # prefix-cache rows (0: two per episode in flight, memory allowing)
     sandbox: str = ""  # strict | shared_uid | landlock ("": $WHALE_SANDBOX or strict)
+
+    def sampling(self) -> SamplingSettings:
+        """A model call's default settings: these flags, nothing else."""
+        return SamplingSettings(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                max_new_tokens=self.max_new_tokens)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -271,15 +277,13 @@ def validate(config: RunConfig) -> None:
     need(m.engine_slots >= 1, "engine_slots", "must be at least 1")
     need(m.concurrency >= 0, "concurrency", "must be >= 0 (0: twice --engine_slots)")
     need(m.engine_cache_rows >= 0, "engine_cache_rows", "must be >= 0 (0: by memory)")
-    need(m.max_new_tokens >= 1, "max_new_tokens", "must be at least 1")
+    for key, problem in m.sampling().errors():
+        need(False, key, problem)
     need(m.max_new_tokens < m.max_len, "max_new_tokens",
          f"{m.max_new_tokens} leaves no room for a prompt in --max_len={m.max_len}")  # fmt: skip
     need(m.dtype in ("float32", "bfloat16"), "dtype", "float32 or bfloat16")
     need(m.sandbox in ("", "strict", "shared_uid", "landlock"), "sandbox",
          f"{m.sandbox!r}: strict, shared_uid or landlock")  # fmt: skip
-    need(m.temperature >= 0, "temperature", "must be >= 0")
-    need(0 < m.top_p <= 1, "top_p", "must be in (0, 1]")
-    need(m.top_k >= 0, "top_k", "must be >= 0 (0: off)")
     need(c.keep >= 1, "checkpoint_keep", "keep at least one checkpoint")
     need(d.search_size >= 1, "search_size", "the harness-search split needs tasks")
     need(d.validation_size >= 0 and d.test_size >= 0, "validation_size", "sizes must be >= 0")

@@ -27,9 +27,8 @@ import jax
 from harness.domains import skill_text
 from harness.domains.base import Task
 from harness.executor import Executor, ExecutorConfig
-from harness.jail import Policy
-from harness.model_api import SamplingSettings
 from harness.records import EpisodeRecord, task_rewards
+from harness.sandbox.jail import Policy
 from harness.search.archive import Archive, read_json, write_atomic, write_json
 from harness.search.phase import HarnessPhase, PhaseInterrupted
 from whale_jax.compiled import MappingGuard
@@ -236,9 +235,9 @@ class WhaleRun:
 
         import jax.numpy as jnp
 
-        from whale_jax.client import EngineClient
+        from whale_jax.engine.client import EngineClient
         from whale_jax.engine.device import auto_cache_rows, free_device_bytes
-        from whale_jax.loading import load_model
+        from whale_jax.io.load import load_model
 
         t0 = time.monotonic()
         dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[c.model.dtype]
@@ -258,10 +257,8 @@ class WhaleRun:
         )  # fmt: skip
         self.client = EngineClient(model, tokenizer, slots=m.engine_slots, max_len=m.max_len,
                                    seed=c.seed, cache_rows=cache_rows)  # fmt: skip
-        settings = SamplingSettings(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k,
-                                    max_new_tokens=m.max_new_tokens)  # fmt: skip
         exec_config = ExecutorConfig(
-            concurrency=concurrency, default_settings=settings,
+            concurrency=concurrency, default_settings=m.sampling(),
             run_seed=c.seed, **({"sandbox": Policy(mode=m.sandbox)} if m.sandbox else {}),
         )  # fmt: skip
         self.executor = Executor(self.client, exec_config)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from whale_jax.config import ModelConfig
+from whale_jax.models.config import ModelConfig
 from whale_jax.models.gated_delta import gated_delta_rule
 
 Array = jax.Array

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from whale_jax.config import FULL, ModelConfig
+from whale_jax.models.config import FULL, ModelConfig
 from whale_jax.models.layers import (
     MLP,
     Attention,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import re
 
-from harness.budgets import Budgets
+from harness.api import Budgets
 from harness.domains.base import DataSpec, Domain, DomainData, Env, Source, Task, split_tasks
 
 

@@ -23,7 +23,7 @@ from harness.domains.base import (
     data_files,
     split_tasks,
 )
-from harness.pytool import PythonToolConfig, run_python
+from harness.sandbox.run_python import PythonToolConfig, run_python
 
 _DAPO_PREFIX = "Solve the following math problem"
 _DAPO_SUFFIX = "Remember to put your answer"

@@ -27,8 +27,13 @@ from harness.domains.base import (
     data_files,
     split_tasks,
 )
+from harness.domains.searchqa.retrieval import (
+    BM25Retriever,
+    HTTPRetriever,
+    Retriever,
+    split_contents,
+)
 from harness.judge import LLMJudge
-from harness.retrieval import BM25Retriever, HTTPRetriever, Retriever, split_contents
 from harness.splits import split_by_hash
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

@@ -40,11 +40,11 @@ edit appends a sentence or block to the harness's main prompt constant (``SYSTEM
 change) and splices the new literal into the source, so the code is untouched byte for byte;
 braces are doubled when the constant is a ``.format`` template.
 
-Every generated source passes ``harness.static_check.check_source`` for the domain before it is
+Every generated source passes ``harness.sandbox.static_check.check_source`` for the domain before it is
 returned. Few-shot examples are invented from each domain's public format and written so the
 prompt audits cannot mistake them for answers: arithmetic examples use the operands 0 and 1 (the
 generator never does), harness-written example text holds no number of two or more digits
-(``harness.audits`` ignores shorter strings), question-answering examples name invented places
+(``harness.executor.audits`` ignores shorter strings), question-answering examples name invented places
 and people, and no chess prompt spells out a move.
 """
 
@@ -61,10 +61,10 @@ from typing import Any
 from harness.domains import get_domain, recipes_of
 from harness.domains.base import Domain
 from harness.records import EpisodeRecord
+from harness.sandbox.static_check import check_source
 from harness.search.archive import Archive, Candidate, Phase, Proposal
 from harness.search.proposers.base import ProposeRequest
 from harness.search.proposers.kit import Evidence, Variant, edit_prompt, gather_evidence
-from harness.static_check import check_source
 
 __all__ = ["OfflineProposer", "catalogue", "edit_prompt", "prompt_catalogue", "render"]
 

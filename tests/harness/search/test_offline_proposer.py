@@ -11,15 +11,16 @@ import re
 import chess
 import pytest
 
+from harness.api import Budgets
 from harness.backends import ScriptedBackend
-from harness.budgets import Budgets
 from harness.domains import chess as chessdom
 from harness.domains import get_domain, searchqa, skill_text
 from harness.domains import math as mathdom
 from harness.domains.arith import ArithDomain, generate
+from harness.domains.searchqa.retrieval import BM25Retriever
 from harness.executor import Executor, ExecutorConfig
 from harness.records import EpisodeRecord, ModelCallRecord, ToolCallRecord, summarize
-from harness.retrieval import BM25Retriever
+from harness.sandbox.static_check import check_source
 from harness.search.archive import Archive, Phase, Proposal, summary_dict
 from harness.search.phase import HarnessPhase, SearchConfig
 from harness.search.proposers.base import ProposeRequest
@@ -31,7 +32,6 @@ from harness.search.proposers.offline import (
     render,
 )
 from harness.search.validate import ValidationConfig
-from harness.static_check import check_source
 
 DOMAINS = ("arith", "math", "searchqa", "chess")
 FAILED_STOPS = {"harness_load", "static_check", "error", "sandbox_violation", "timeout",

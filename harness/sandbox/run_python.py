@@ -1,8 +1,8 @@
 """The math tool: model-written Python (numpy and sympy allowed) run in a fresh jailed process per
 call, with a wall-clock timeout. No static check applies to it: it is model output, not harness
-code, so only the OS layer (``harness.jail``) stands between it and the machine.
+code, so only the OS layer (``harness.sandbox.jail``) stands between it and the machine.
 
-Calls are forked from one tool zygote per process (``harness.zygote``, program ``pytool``) that has
+Calls are forked from one tool zygote per process (``harness.sandbox.zygote``, program ``pytool``) that has
 numpy and sympy imported already: a call costs a fork, not an interpreter start and a sympy import.
 The jailed process sees the standard library and those packages read-only, a private tmpfs /tmp,
 no network, no other process; its stdout and stderr are pipes read here, each capped.
@@ -19,14 +19,16 @@ import threading
 import time
 from typing import Any
 
-from harness import jail, sandbox
-from harness.procs import Zygote
+from harness.sandbox import jail, python_layer
+from harness.sandbox.supervisor import Zygote
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PythonToolConfig:
     timeout_s: float = 30.0  # the reference's code_interpreter: 30 s
-    limits: sandbox.Limits = sandbox.Limits(memory_bytes=2 << 30, cpu_s=30, output_bytes=8 << 10)
+    limits: python_layer.Limits = python_layer.Limits(
+        memory_bytes=2 << 30, cpu_s=30, output_bytes=8 << 10
+    )
     max_parallel: int = 2  # processes at once, whatever the number of episodes
     sandbox: jail.Policy = jail.Policy()
     start_timeout_s: float = 120.0  # the tool zygote's start (imports sympy once)

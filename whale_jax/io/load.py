@@ -14,15 +14,15 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-from whale_jax.config import ModelConfig
-from whale_jax.models.transformer import Transformer
-from whale_jax.weights import (
+from whale_jax.io.safetensors import (
     CheckpointError,
     abstract_model,
     arrays_source,
     load_into,
     safetensors_source,
 )
+from whale_jax.models.config import ModelConfig
+from whale_jax.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def _resolve(spec: str) -> Path:
     if path.exists():
         return path
     if spec in OFFLINE_MODELS:
-        from whale_jax.gguf_io import find_smollm2_gguf
+        from whale_jax.io.gguf import find_smollm2_gguf
 
         return find_smollm2_gguf()
     if spec.count("/") == 1 and not spec.startswith((".", "/")):
@@ -92,8 +92,8 @@ def load_model(spec: str | Path, dtype=jnp.float32, mesh=None) -> LoadedModel:
     """
     path = _resolve(str(spec))
     if path.is_file() and path.suffix == ".gguf":
-        from whale_jax.gguf_io import read_gguf
-        from whale_jax.tokenizer_gguf import tokenizer_from_gguf
+        from whale_jax.io.gguf import read_gguf
+        from whale_jax.io.gguf_tokenizer import tokenizer_from_gguf
 
         ckpt = read_gguf(path)
         cfg = ModelConfig.from_hf(ckpt.config, source=str(path))

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import Any, Protocol
 
-from harness.model_api import ToolCall  # one tool-call type from the model to the harness
+from harness.api import ToolCall  # one tool-call type from the model to the harness
 from harness.tool_calls import MALFORMED_TOOL_CALL, parse_tool_calls
 
 __all__ = [

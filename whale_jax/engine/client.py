@@ -1,6 +1,6 @@
 """``EngineClient``: the harness's ``ChatBackend`` on top of the rollout engine.
 
-``chat(request)`` turns chat messages into token ids (``whale_jax.chat``), runs them through the
+``chat(request)`` turns chat messages into token ids (``whale_jax.engine.chat``), runs them through the
 engine, and returns the visible text (thinking removed), the raw completion, the exact prompt and
 completion ids and the parsed tool calls. It is called from many threads at once; each call blocks
 on its own result while the engine batches them.
@@ -28,8 +28,8 @@ import json
 import threading
 from typing import Any
 
-from harness.model_api import ChatRequest, ChatResult
-from whale_jax.chat import ChatFormat, Session, Tokenizer, format_for
+from harness.api import ChatRequest, ChatResult
+from whale_jax.engine.chat import ChatFormat, Session, Tokenizer, format_for
 from whale_jax.engine.engine import Engine, EngineConfig
 from whale_jax.engine.requests import Request, Sampling
 from whale_jax.models.transformer import Transformer
@@ -137,13 +137,7 @@ class EngineClient:
                 error=f"prompt of {len(prompt)} tokens is over the budget of "
                 f"{request.max_prompt_tokens}",
             )
-        sampling = Sampling(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            max_new_tokens=s.max_new_tokens,
-            stop_strings=tuple(s.stop),
-        )
+        sampling = Sampling.from_settings(s)
         done = self.engine.submit(
             Request(
                 prompt_ids=tuple(prompt),
@@ -322,7 +316,7 @@ def make_test_backend(
 ) -> EngineClient:
     """A real small model behind the engine as a ``ChatBackend`` (tests, demos; offline for the
     bundled SmolLM2-135M-Instruct)."""
-    from whale_jax.loading import load_model
+    from whale_jax.io.load import load_model
 
     model, _, tokenizer = load_model(spec)
     if tokenizer is None:

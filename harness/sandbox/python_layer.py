@@ -1,5 +1,5 @@
 """The Python-level layer of the sandbox and the limits it shares with the OS layer
-(``harness.jail``): resource limits, the scrubbed environment of a sandboxed process, and the audit
+(``harness.sandbox.jail``): resource limits, the scrubbed environment of a sandboxed process, and the audit
 hook, an early and readable refusal of sockets, processes, native code and file access. The wall
 that holds when this layer is bypassed is the OS one."""
 

@@ -1,7 +1,7 @@
 """Static check of untrusted harness source, run before any of it executes.
 
 This is the first line of defence; the worker's restricted builtins, module facades, audit hook and
-OS limits (harness.sandbox) are the second. The rules are deliberately coarse: a harness needs
+OS limits (harness.sandbox.python_layer) are the second. The rules are deliberately coarse: a harness needs
 prompts, parsing and control flow, none of which needs introspection.
 """
 

@@ -28,7 +28,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from whale_jax.config import FULL, ModelConfig
+from whale_jax.models.config import FULL, ModelConfig
 from whale_jax.models.transformer import Transformer
 from whale_jax.sharding import param_sharding
 

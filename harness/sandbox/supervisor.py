@@ -1,4 +1,4 @@
-"""The trusted side of a zygote (``harness.zygote``): start its launcher as a fresh interpreter, hand
+"""The trusted side of a zygote (``harness.sandbox.zygote``): start its launcher as a fresh interpreter, hand
 it work, hear when children start and end, kill, and clean up. Used by the executor (one zygote
 per harness run) and by the math tool (one zygote per process, shared)."""
 
@@ -15,10 +15,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from harness import ipc, jail, sandbox
+from harness.sandbox import ipc, jail, python_layer
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_BOOT = "import sys; sys.path.insert(0, sys.argv[2]); from harness.zygote import launcher_main; launcher_main()"
+_ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # the repository
+_BOOT = "import sys; sys.path.insert(0, sys.argv[2]); from harness.sandbox.zygote import launcher_main; launcher_main()"
 _UID_BLOCK = 1 << 12  # uids per zygote (root mode): distinct across every zygote of this process
 _UID_BLOCKS = 1 << 12  # blocks in the reserved range (Policy.uid_base + 2**24 uids)
 _uid_lock = threading.Lock()
@@ -60,7 +62,7 @@ class Zygote:
         program: str,
         *,
         policy: jail.Policy,
-        limits: sandbox.Limits,
+        limits: python_layer.Limits,
         max_children: int,
         on_event: Callable[[str, dict[str, Any]], None],
         source: str = "",
@@ -85,7 +87,7 @@ class Zygote:
                 [sys.executable, "-I", "-c", _BOOT, str(child.fileno()), _ROOT],
                 pass_fds=(child.fileno(),),
                 cwd=self.workdir,
-                env=sandbox.scrubbed_env(self.workdir),
+                env=python_layer.scrubbed_env(self.workdir),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

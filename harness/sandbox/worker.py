@@ -1,12 +1,12 @@
 """The episode side of the sandbox: what runs inside one jailed episode process (forked from the
-candidate's zygote, ``harness.zygote``). It loads the harness module, runs ``run(task, model,
+candidate's zygote, ``harness.sandbox.zygote``). It loads the harness module, runs ``run(task, model,
 tools)`` once, reports, and exits: no state survives an episode.
 
 ``model`` and ``tools`` are thin proxies: every call is one request over the episode's own channel
 to the executor, which counts budgets, calls the model and the tools, and answers. With the Python
 layers on (the default), harness code sees restricted builtins and module facades (public,
 non-module attributes only) and the audit hook refuses what it can recognise; these are readable
-early refusals, the wall is the OS (``harness.jail``)."""
+early refusals, the wall is the OS (``harness.sandbox.jail``)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import traceback
 import types
 from typing import Any
 
-from harness import ipc, sandbox
-from harness.ipc import Channel
+from harness.sandbox import ipc, python_layer
+from harness.sandbox.ipc import Channel
 
 # Attributes a facade drops although they look harmless: they evaluate strings as code.
 _FACADE_DENY = {
@@ -234,11 +234,11 @@ def probe_main(code: Any, table: dict[str, Any] | None, python_layers: bool) -> 
     out = _Output(64 << 10)
     sys.stdout = sys.stderr = out  # type: ignore[assignment]
     if python_layers:
-        sandbox.install_audit_hook(os.getcwd(), note)
+        python_layer.install_audit_hook(os.getcwd(), note)
     try:
         load(code, table)
         if seen:
-            raise sandbox.SandboxViolation(seen[0])
+            raise python_layer.SandboxViolation(seen[0])
         rc, text = 0, ""
     except BaseException as e:
         rc = 4 if seen else 3
@@ -264,7 +264,7 @@ def episode_main(
     out = _Output(cap)
     sys.stdout = sys.stderr = out  # type: ignore[assignment]
     if init["python_layers"]:
-        sandbox.install_audit_hook(os.getcwd(), note)
+        python_layer.install_audit_hook(os.getcwd(), note)
     task = types.SimpleNamespace(**dict(payload.get("task", {})))
     kind, error, answer = "ok", None, None
     try:

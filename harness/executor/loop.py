@@ -1,13 +1,13 @@
 """The sandboxed executor: runs a harness over tasks, one jailed process per episode, and returns one
 EpisodeRecord per (task, sample).
 
-Trusted side (this process): budgets and sessions (``harness.sessions``), model calls
+Trusted side (this process): budgets and sessions (``harness.executor.ledger``), model calls
 (``ChatBackend.chat`` from a thread pool), tools (``Domain`` envs), timeouts, scoring and prompt
-audits (``harness.audits``). Untrusted side: one zygote per run (``harness.zygote``, started and
-watched by ``harness.procs``) that forks one jailed process per episode (``harness.worker``).
+audits (``harness.executor.audits``). Untrusted side: one zygote per run (``harness.sandbox.zygote``, started and
+watched by ``harness.sandbox.supervisor``) that forks one jailed process per episode (``harness.sandbox.worker``).
 
 One event loop per run reads every episode's channel (``selectors``); model and tool calls run in
-pools and answer on the episode's channel. Every frame is checked against ``harness.ipc``'s
+pools and answer on the episode's channel. Every frame is checked against ``harness.sandbox.ipc``'s
 tables; a bad frame, a hang, a crash or a runaway costs only its episode, and the run always
 finishes. Episodes share nothing: a fresh process per episode, forked from a zygote that never
 ran harness code.
@@ -27,14 +27,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from harness import audits, ipc, jail, sandbox, verdicts
-from harness.budgets import Budgets
+from harness.api import Budgets, ChatBackend, ChatRequest, ChatResult, RngKey, SamplingSettings
 from harness.domains.base import Domain, EpisodeContext, Task, ToolError
-from harness.model_api import ChatBackend, ChatRequest, ChatResult, RngKey, SamplingSettings
-from harness.procs import LoadError, SandboxUnavailable, Zygote
+from harness.executor import audits, verdicts
+from harness.executor.ledger import Ledger, Refused, check_messages, check_settings, check_tools
 from harness.records import EpisodeRecord, ModelCallRecord, ToolCallRecord
-from harness.sessions import Ledger, Refused, check_messages, check_settings, check_tools
-from harness.static_check import check_source
+from harness.sandbox import ipc, jail, python_layer
+from harness.sandbox.static_check import check_source
+from harness.sandbox.supervisor import LoadError, SandboxUnavailable, Zygote
 
 __all__ = ["Executor", "ExecutorConfig", "SandboxUnavailable"]
 
@@ -54,7 +54,7 @@ _DONE_STOP = {
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExecutorConfig:
     concurrency: int = 64  # episodes in flight per run (one process each)
-    limits: sandbox.Limits = sandbox.Limits()
+    limits: python_layer.Limits = python_layer.Limits()
     budgets: Budgets | None = None  # None: the domain's defaults
     default_settings: SamplingSettings = SamplingSettings()
     run_seed: int = 0

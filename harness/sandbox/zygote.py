@@ -26,7 +26,7 @@ import sys
 import traceback
 from typing import Any
 
-from harness import ipc, jail, sandbox
+from harness.sandbox import ipc, jail, python_layer
 
 _PYTOOL_PREIMPORT = (
     "math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "random",
@@ -86,7 +86,7 @@ class _Zygote:
                  report: dict[str, str]):  # fmt: skip
         jail.die_with_parent()
         self.chan, self.init, self.policy = chan, init, policy
-        self.limits = sandbox.Limits(**init["limits"])
+        self.limits = python_layer.Limits(**init["limits"])
         self.report = dict(report)
         self.children: dict[int, tuple[str, int | None, str | None]] = {}  # pid -> key, uid, dir
         self.by_key: dict[str, int] = {}
@@ -105,7 +105,7 @@ class _Zygote:
     def prepare(self) -> None:
         extra = [str(p) for p in self.init["visible"]]
         if self.program == "harness":
-            from harness import worker
+            from harness.sandbox import worker
 
             try:
                 self.code, self.table = worker.prepare(self.init)
@@ -269,7 +269,7 @@ class _Zygote:
     def probe(self) -> tuple[bool | None, str, dict[str, str]]:
         """Load the harness once in a jailed child. (True, "", report) when it loads; (False,
         error) for a load error; (None, violation + error) for a sandbox violation."""
-        from harness import worker
+        from harness.sandbox import worker
 
         r, w = os.pipe()
         pid, uid, workdir = self._fork("probe")
@@ -348,7 +348,7 @@ class _Zygote:
                 os._exit(70)
             try:
                 if self.program == "harness":
-                    from harness import worker
+                    from harness.sandbox import worker
 
                     chan = ipc.Channel(socket.socket(fileno=3), int(self.init["max_frame_bytes"]))
                     worker.episode_main(chan, self.code, self.table, self.init, payload)

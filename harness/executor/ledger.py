@@ -8,11 +8,9 @@ import json
 import math
 from typing import Any
 
-from harness.budgets import Budgets
-from harness.model_api import SamplingSettings
+from harness.api import MAX_COUNT, MAX_TEMPERATURE, SAMPLING_FIELDS, Budgets, SamplingSettings
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
-SETTINGS = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "stop", "enable_thinking"})
 
 
 class Refused(Exception):
@@ -44,7 +42,7 @@ def check_settings(given: Any, defaults: SamplingSettings, tokens_left: int) -> 
     is left of the episode's assistant-token budget."""
     if not isinstance(given, dict):
         raise ValueError("settings must be an object")
-    unknown = set(given) - SETTINGS
+    unknown = set(given) - SAMPLING_FIELDS
     if unknown:
         raise ValueError(f"unknown settings {sorted(map(str, unknown))[:5]}")
     base = defaults.to_dict()
@@ -52,12 +50,12 @@ def check_settings(given: Any, defaults: SamplingSettings, tokens_left: int) -> 
         if key in ("temperature", "top_p"):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"{key} must be a number")
-            if not math.isfinite(value) or not 0.0 <= value <= 10.0:
+            if not math.isfinite(value) or not 0.0 <= value <= MAX_TEMPERATURE:
                 raise ValueError(f"{key} out of range")
         elif key in ("top_k", "max_new_tokens"):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{key} must be an integer")
-            if not 0 <= value <= 1 << 30:
+            if not 0 <= value <= MAX_COUNT:
                 raise ValueError(f"{key} out of range")
         elif key == "stop":
             if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
@@ -66,10 +64,8 @@ def check_settings(given: Any, defaults: SamplingSettings, tokens_left: int) -> 
             raise ValueError("enable_thinking must be true, false or null")
         base[key] = value
     s = SamplingSettings.from_dict(base)
-    if not (0.0 <= s.temperature <= 10.0 and 0.0 < s.top_p <= 1.0 and s.top_k >= 0):
-        raise ValueError("temperature/top_p/top_k out of range")
-    if len(s.stop) > 16 or any(len(x) > 200 for x in s.stop):
-        raise ValueError("at most 16 stop strings of 200 characters")
+    for key, problem in s.errors():
+        raise ValueError(f"{key} {problem}")
     return dataclasses.replace(s, max_new_tokens=min(s.max_new_tokens, tokens_left))
 
 

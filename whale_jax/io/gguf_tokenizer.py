@@ -35,7 +35,7 @@ from tokenizers.models import BPE
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-    from whale_jax.gguf_io import GGUFCheckpoint
+    from whale_jax.io.gguf import GGUFCheckpoint
 
 __all__ = [
     "PRE_TOKENIZER_SPLITS",
@@ -101,7 +101,7 @@ def _metadata_of(source: Any) -> dict[str, Any]:
     if isinstance(metadata, dict):
         return metadata
     if isinstance(source, (str, pathlib.Path)):
-        from whale_jax.gguf_io import read_gguf_metadata
+        from whale_jax.io.gguf import read_gguf_metadata
 
         return read_gguf_metadata(source)
     raise TypeError(
@@ -150,7 +150,7 @@ def build_backend_tokenizer(
     """A :class:`tokenizers.Tokenizer` (byte-level BPE) from GGUF tokenizer metadata.
 
     Args:
-        checkpoint_or_path: a :class:`~whale_jax.gguf_io.GGUFCheckpoint`, its ``metadata`` dict,
+        checkpoint_or_path: a :class:`~whale_jax.io.gguf.GGUFCheckpoint`, its ``metadata`` dict,
             or a path to a ``.gguf`` file (only the metadata is read).
         pretokenizer: ``"transformers"`` (default) to match transformers' GGUF tokenizer,
             ``"llama.cpp"`` to match llama.cpp where they differ (see the module docstring).

@@ -2,7 +2,7 @@
 size-capped ``/tmp`` per process, a distinct uid per process, seccomp and rlimits.
 
 Everything here is trusted code that runs inside the sandboxed process tree before untrusted code
-does (``harness.zygote``). The Python-level layers (static check, audit hook, restricted builtins)
+does (``harness.sandbox.zygote``). The Python-level layers (static check, audit hook, restricted builtins)
 are early, readable refusals; this module is what must hold when they have been bypassed.
 
 Three modes (``Policy.mode``), chosen by the user and never downgraded silently:
@@ -307,7 +307,7 @@ def _drop_capabilities() -> None:
 
 
 def set_limits(limits: Any, reserved_bytes: int = 0) -> dict[str, str]:
-    """rlimits of an episode or tool process (``harness.sandbox.Limits``); never raises a limit.
+    """rlimits of an episode or tool process (``harness.sandbox.python_layer.Limits``); never raises a limit.
     ``reserved_bytes`` (the private tmpfs, which is RAM) comes out of the address-space limit so
     that the two together stay within ``limits.memory_bytes``."""
     report = {}

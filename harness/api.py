@@ -11,17 +11,40 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
+MAX_TEMPERATURE = 10.0
+MAX_COUNT = 1 << 30  # top_k and max_new_tokens
+MAX_STOPS, MAX_STOP_CHARS = 16, 200
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
-    """How one completion is sampled; ``enable_thinking=None`` keeps the chat template's default."""
+    """How one completion is sampled: the one set of sampling settings and defaults (the paper's:
+    temperature 1.0, top-p 1.0, top-k 20). The run's flags, a harness's ``model.chat`` overrides and
+    the engine's token-level ``Sampling`` are all this, or built from it by one function.
+    ``enable_thinking=None`` keeps the chat template's default."""
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 20
+    top_k: int = 20  # 0: off
     max_new_tokens: int = 1024
     stop: tuple[str, ...] = ()
     enable_thinking: bool | None = None
+
+    def errors(self) -> list[tuple[str, str]]:
+        """(field, what is wrong) for every value out of range; the one range check of sampling
+        settings, used for the run's flags and for every harness call."""
+        out = []
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            out.append(("temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (0: greedy)"))
+        if not 0.0 < self.top_p <= 1.0:
+            out.append(("top_p", "must be in (0, 1]"))
+        if not 0 <= self.top_k <= MAX_COUNT:
+            out.append(("top_k", "must be >= 0 (0: off)"))
+        if not 1 <= self.max_new_tokens <= MAX_COUNT:
+            out.append(("max_new_tokens", "must be at least 1"))
+        if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            out.append(("stop", f"at most {MAX_STOPS} stop strings of {MAX_STOP_CHARS} characters"))
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         # Every field is a scalar or a tuple of strings: a shallow copy (asdict's deep copy costs
@@ -32,14 +55,19 @@ class SamplingSettings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingSettings:
+        """The settings ``d`` names, the defaults for the rest (types coerced, ranges unchecked)."""
+        s = cls()
         return cls(
-            temperature=float(d.get("temperature", 1.0)),
-            top_p=float(d.get("top_p", 1.0)),
-            top_k=int(d.get("top_k", 20)),
-            max_new_tokens=int(d.get("max_new_tokens", 1024)),
-            stop=tuple(str(s) for s in d.get("stop", ())),
-            enable_thinking=d.get("enable_thinking"),
+            temperature=float(d.get("temperature", s.temperature)),
+            top_p=float(d.get("top_p", s.top_p)),
+            top_k=int(d.get("top_k", s.top_k)),
+            max_new_tokens=int(d.get("max_new_tokens", s.max_new_tokens)),
+            stop=tuple(str(x) for x in d.get("stop", s.stop)),
+            enable_thinking=d.get("enable_thinking", s.enable_thinking),
         )
+
+
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingSettings))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,3 +131,28 @@ class ChatBackend(Protocol):
     """Anything that answers chat requests. Called concurrently from many threads."""
 
     def chat(self, request: ChatRequest) -> ChatResult: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Budgets:
+    """Trusted per-episode budgets, counted and enforced in the main process whatever a harness
+    does. Defaults are WHALE's. ``passage_tokens`` is counted in whitespace-separated words (the tool
+    side holds no tokenizer); every other token count comes from the backend's tokenizer. A call's
+    prompt is capped at ``prompt_tokens`` when it starts a conversation and at ``prompt_tokens +
+    response_tokens`` when it continues one."""
+
+    def prompt_cap(self, continuing: bool) -> int:
+        return self.prompt_tokens + (self.response_tokens if continuing else 0)
+
+    assistant_tokens: int = 8192  # completion tokens summed over all calls of an episode
+    prompt_tokens: int = 2048  # a conversation's first prompt
+    # What a conversation's later prompts may add to that: its own sampled tokens, tool results and
+    # feedback (the reference's response region: 8,192 tokens; chess 16,384).
+    response_tokens: int = 8192
+    passage_tokens: int = 200
+    turns: int = 16  # calls in the longest conversation (session) of an episode
+    retries: int = 10  # rejected actions (malformed or illegal), summed over the episode
+    model_calls: int = 32
+    wall_s: float = 600.0  # episode wall time, model waits included
+    step_s: float = 60.0  # harness compute between two requests (a hang detector)
+    tool_calls: int = 32
