@@ -16,24 +16,20 @@ import platform
 import shutil
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import save_results
 
-from bench_model import save_results  # noqa: E402
-
-from harness.domains import skill_text  # noqa: E402
-from harness.executor import Executor, ExecutorConfig  # noqa: E402
-from harness.model_api import SamplingSettings  # noqa: E402
-from harness.search import frontier  # noqa: E402
-from harness.search.archive import Archive  # noqa: E402
-from harness.search.phase import HarnessPhase, SearchConfig  # noqa: E402
-from harness.search.proposers.offline import OfflineProposer  # noqa: E402
-from whale_jax.client import EngineClient  # noqa: E402
-from whale_jax.loading import load_model  # noqa: E402
-from whale_jax.loop.config import DataConfig  # noqa: E402
-from whale_jax.loop.data import load_domain_data  # noqa: E402
+from harness.domains import skill_text
+from harness.executor import Executor, ExecutorConfig
+from harness.model_api import SamplingSettings
+from harness.search import frontier
+from harness.search.archive import Archive
+from harness.search.phase import HarnessPhase, SearchConfig
+from harness.search.proposers.offline import OfflineProposer
+from whale_jax.client import EngineClient
+from whale_jax.loading import load_model
+from whale_jax.loop.config import DataConfig
+from whale_jax.loop.data import load_domain_data
 
 
 def domain_and_tasks(name: str, n: int, seed: int):
