@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--fresh", action="store_true", help="delete the archive first (else resume)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    out = args.out or f"benchmarks/results/search_{args.domain}.json"
+    out = args.out or f"benchmarks/results/search_phase_{args.domain}.json"
 
     domain, tasks = domain_and_tasks(args.domain, args.tasks, args.seed)
     model, _, tokenizer = load_model("smollm2")
