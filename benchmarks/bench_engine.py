@@ -1,7 +1,7 @@
 """Rollout engine benchmark: our engine beside transformers ``generate`` (PyTorch), same CPU.
 
-For each model (a small Qwen3.5 hybrid built from bench_model's config, and SmolLM2-135M-Instruct
-from the bundled GGUF), fp32, same weights, same random prompts (``--prompt-len`` tokens), the same
+For each model (``common.load_models``: a small Qwen3.5 hybrid, and SmolLM2-135M-Instruct from
+the bundled GGUF), fp32, same weights, same random prompts (``--prompt-len`` tokens), the same
 number of greedy new tokens (``--new-tokens``, EOS ignored), at each batch size:
 
 - transformers: ``model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)``;
@@ -21,53 +21,12 @@ Writes benchmarks/results/engine.json (``--out`` to change).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from bench_model import QWEN3_5_SMALL, bench_matmul, build_pair, machine_info  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results" / "engine.json"
-
-
-def load_models(name: str, tmp: Path):
-    """(our model, torch model, config) with the same fp32 weights."""
-    import torch
-    import transformers
-
-    import whale_jax
-
-    if name == "qwen3_5_small":
-        tmodel, _, _ = build_pair(QWEN3_5_SMALL, 0, tmp)
-        model, cfg, _ = whale_jax.load_model(tmp)
-        return model, tmodel, cfg
-    if name == "smollm2":
-        from whale_jax.io.load import source_of
-        from whale_jax.io.safetensors import save_hf
-
-        model, cfg, _ = whale_jax.load_model("smollm2")
-        save_hf(model, tmp, source_of(model).hf_config)  # the GGUF's weights, dequantised, as HF
-        tmodel = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-        tmodel.config._attn_implementation = "sdpa"
-        return model, tmodel.eval(), cfg
-    raise ValueError(name)
-
-
-def flops_per_token(cfg, context: float) -> float:
-    """Matmul FLOPs of one decode token at an average attended context."""
-    from whale_jax.models.config import FULL
-
-    params = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
-    attn = sum(4 * context * cfg.num_heads * cfg.head_dim for k in cfg.layer_types if k == FULL)
-    return 2.0 * params + attn
+from common import RESULTS, bench_matmul, flops_per_token, load_models, machine_info, save_results
 
 
 def request_flops(cfg, prompt_len: int, new_tokens: int) -> float:
@@ -306,7 +265,7 @@ def main(argv=None) -> int:
     ap.add_argument("--session-rows", type=int, default=8)
     ap.add_argument("--session-prompt", type=int, default=512, help="first prompt, tokens")
     ap.add_argument("--session-delta", type=int, default=64, help="tool result per turn, tokens")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--out", default=str(RESULTS / "engine.json"))
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.batches, args.slots = "qwen3_5_small", "1,16", ""
@@ -319,13 +278,11 @@ def main(argv=None) -> int:
     print(f"matmul GFLOP/s: xla {report['matmul']['xla']['gflops_median']:.0f}, torch "
           f"{report['matmul']['torch']['gflops_median']:.0f}", flush=True)  # fmt: skip
     report["models"] = {}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             report["models"][name] = bench_model_engine(name, args, Path(tmp), report["matmul"])
-        out.write_text(json.dumps(report, indent=1))  # after each model: partial runs keep data
-    print(f"wrote {out}")
+        save_results(report, args.out)  # after each model: partial runs keep data
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -12,19 +12,17 @@ zygote).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import save_results
 
-from harness.api import Budgets  # noqa: E402
-from harness.backends import ScriptedBackend  # noqa: E402
-from harness.domains.arith import ArithDomain, generate  # noqa: E402
-from harness.executor import Executor, ExecutorConfig  # noqa: E402
+from harness.api import Budgets
+from harness.backends import ScriptedBackend
+from harness.domains.arith import ArithDomain, generate
+from harness.executor import Executor, ExecutorConfig
 
 HARNESS = """
 import time
@@ -208,9 +206,7 @@ def main() -> None:
         "calls_per_episode": args.calls,
         "rows": rows,
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    save_results(result, args.out)
     print(f"saved {args.out}")
 
 

@@ -1,25 +1,26 @@
-"""Foundation benchmark: our JAX forward passes beside transformers' PyTorch ones, same run, same CPU.
+"""Model benchmark: our JAX forward passes beside transformers' PyTorch ones, same run, same CPU.
 
 Measures, in fp32 on the local CPU:
 
 1. the chunked gated delta rule (Qwen3.5's Gated DeltaNet mixer) at Qwen3.5-0.8B/2B per-layer head
    shapes: ``whale_jax.models.gated_delta.chunked_gated_delta_rule`` under ``jax.jit`` against
    transformers' ``torch_chunk_gated_delta_rule`` on the same inputs (outputs and final states are
-   compared), plus prototype variants of our kernel (defined below, checked against the reference)
-   and, in the full run, the backward pass. With more than one XLA CPU device (``--host_devices``;
-   by default one per usable CPU) a case ``ours_tpN`` runs the same library function on inputs whose
-   heads are split over the devices, as the sharding table lays out a layer on a tp mesh;
+   compared) and, in the full run, the backward pass (gradients compared). With more than one XLA
+   CPU device (``--host_devices``; by default one per usable CPU) a case ``ours_tpN`` runs the same
+   library function on inputs whose heads are split over the devices, as the sharding table lays
+   out a layer on a tp mesh;
 2. full-model prefill (logits for every position) on a small Qwen3.5 hybrid and a small dense Llama,
    both built from one HF config dict with the same weights: transformers builds the torch model,
    ``save_pretrained`` writes it, ``whale_jax.load_model`` reads it back;
 3. XLA's and PyTorch's fp32 matmul rate, as context for the rest.
 
-Timing: every case is warmed up (JAX: an ahead-of-time compile, reported separately), then the cases
-of one comparison run round-robin, alternating order each repeat, so ours and the peer see the same
-background load; we report the median (and the best) wall time, the process CPU time and the
-1-minute load average. The machine may be shared: read speedups from the same run, not across runs.
-``--cpus 1`` pins the process to one CPU before JAX and torch start, so both run single-threaded;
-on a shared two-core machine that is the comparison least disturbed by the neighbours.
+Timing (``common.time_cases``): every case is warmed up (JAX: an ahead-of-time compile, reported
+separately), then the cases of one comparison run round-robin, alternating order each repeat, so
+ours and the peer see the same background load; we report the median (and the best) wall time,
+the process CPU time and the 1-minute load average. The machine may be shared: read speedups from
+the same run, not across runs. ``--cpus 1`` pins the process to one CPU before JAX and torch start,
+so both run single-threaded; on a shared two-core machine that is the comparison least disturbed
+by the neighbours.
 
 Run:  .venv/bin/python benchmarks/bench_model.py            (full, about five minutes)
       .venv/bin/python benchmarks/bench_model.py --quick    (about a minute)
@@ -29,26 +30,27 @@ Writes benchmarks/results/model.json (``--out`` to change; ``--no-save`` to skip
 from __future__ import annotations
 
 import argparse
-import datetime
 import faulthandler
 import functools
 import gc
-import json
 import os
-import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-
-# Import the working tree's whale_jax, however (or whether) the package is installed.
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-RESULTS = REPO / "benchmarks" / "results" / "model.json"
+from common import (
+    QWEN3_5_SMALL,
+    RESULTS,
+    WATCHDOG,
+    bench_matmul,
+    build_pair,
+    machine_info,
+    save_results,
+    time_cases,
+    use_cpus,
+)
 
 # Qwen3.5-0.8B's text config (and, as far as we could check, 2B's): 16 key heads, 16 value heads,
 # key/value head dim 128 per Gated DeltaNet layer. The default Qwen3_5TextConfig (9B-sized) has
@@ -57,40 +59,7 @@ GDN_SHAPE = {"Hk": 16, "Hv": 16, "K": 128, "V": 128}
 GDN_GROUPED = {"Hk": 16, "Hv": 32, "K": 128, "V": 128}
 CHUNK = 64
 
-# Small models for the prefill comparison, sized so the whole program fits in minutes on two
-# shared cores. Qwen3.5: the real 3:1 linear:full pattern, heads scaled with the width (2B: hidden
-# 2048, 16 GDN heads of 128, 8 attention heads of 256 sharing 2 kv heads; here hidden 256, 2 GDN
-# heads of 128 (the real head dims), 2 attention heads of 128 sharing one kv head).
-# What every Qwen3.5 text model shares (the real GDN head dims, conv width, RoPE, norms, tying).
-QWEN3_5_FAMILY = {
-    "model_type": "qwen3_5_text",
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.25,
-    },
-    "attention_bias": False,
-    "tie_word_embeddings": True,
-}
-QWEN3_5_SMALL = {
-    **QWEN3_5_FAMILY,
-    "vocab_size": 16384,
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 8,
-    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 128,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 2,
-    "max_position_embeddings": 4096,
-}
+# A small dense Llama beside common.QWEN3_5_SMALL, the same width and depth.
 LLAMA_SMALL = {
     "model_type": "llama",
     "vocab_size": 16384,
@@ -109,427 +78,6 @@ LLAMA_SMALL = {
     "tie_word_embeddings": False,
 }
 MODELS = {"qwen3_5_small": QWEN3_5_SMALL, "llama_small": LLAMA_SMALL}
-TORCH_ATTN = "sdpa"
-
-
-# ------------------------------------------------------------------------------------------------
-# timing
-
-
-VERBOSE = False
-
-
-class Watchdog:
-    """Ends the run if one call hangs: prints every thread's stack, saves what was measured so
-    far (with the hung call named under "error") and exits with status 3. A timed-out call cannot
-    be interrupted from Python, so this is the only way out of a hang; block_until_ready releases
-    the GIL, so the timer thread runs."""
-
-    def __init__(self):
-        self.limit_s = 0.0  # 0: off
-        self.results: dict | None = None
-        self.out: Path | None = None
-        self._timer = None
-
-    def arm(self, label: str) -> None:
-        import threading
-
-        self.disarm()
-        if self.limit_s > 0:
-            self._timer = threading.Timer(self.limit_s, self._fire, (label,))
-            self._timer.daemon = True
-            self._timer.start()
-
-    def disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _fire(self, label: str) -> None:
-        msg = f"watchdog: {label} did not finish within {self.limit_s:g} s; giving up"
-        print(f"\n{msg}", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(all_threads=True)
-        if self.results is not None:
-            self.results["error"] = msg
-            print_summary(self.results)
-            if self.out is not None:
-                save_results(self.results, self.out)
-                print(f"partial results in {self.out}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(3)
-
-
-WATCHDOG = Watchdog()
-
-
-def _progress(msg: str) -> None:
-    WATCHDOG.arm(msg)
-    if VERBOSE:
-        print(f"    [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def save_results(results: dict, out: Path | str) -> None:
-    """Writes a benchmark's results as indented JSON (non-JSON values as strings)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, default=str) + "\n")
-
-
-_COMPILE_EVENTS = (
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration",
-)
-_COMPILE_S = {"total": 0.0, "listening": False}
-
-
-def _count_compile(event: str, duration: float, **_) -> None:
-    if event in _COMPILE_EVENTS:
-        _COMPILE_S["total"] += duration
-
-
-def compile_timer():
-    """A function returning the seconds JAX spent tracing, lowering and compiling since the
-    previous call (JAX's own compile events)."""
-    import jax
-
-    if not _COMPILE_S["listening"]:  # once per process: listeners cannot be told apart
-        jax.monitoring.register_event_duration_secs_listener(_count_compile)
-        _COMPILE_S["listening"] = True
-    seen = [_COMPILE_S["total"]]
-
-    def since() -> float:
-        now = _COMPILE_S["total"]
-        out, seen[0] = now - seen[0], now
-        return out
-
-    return since
-
-
-def _load() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
-def _stats(times: list[float], cpu: list[float]) -> dict:
-    return {
-        "median_s": float(np.median(times)),
-        "min_s": float(np.min(times)),
-        "cpu_median_s": float(np.median(cpu)),
-        "times_s": [round(t, 5) for t in times],
-    }
-
-
-def time_cases(cases: dict[str, Callable[[], object]], repeats: int, warm=None):
-    """Warm up every case, then time them round-robin (order reversed every other repeat).
-
-    Each callable must finish its work before returning (block_until_ready for JAX). ``warm``
-    maps a case to what to run instead of one call of the case itself as its warm-up (e.g. an
-    ahead-of-time compile). Returns ({name: stats}, {name: last output}, {name: warm-up seconds},
-    mean 1-minute load average while timing).
-    """
-    warm = warm or {}
-    first, last = {}, {}
-    for name, fn in cases.items():
-        _progress(f"warm {name}")
-        t0 = time.perf_counter()
-        out = warm.get(name, fn)()
-        first[name] = time.perf_counter() - t0
-        WATCHDOG.disarm()
-        if name not in warm:
-            last[name] = out
-    times = {name: [] for name in cases}
-    cpu = {name: [] for name in cases}
-    loads = [_load()]
-    names = list(cases)
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            _progress(f"run {name} #{r}")
-            c0, t0 = time.process_time(), time.perf_counter()
-            last[name] = cases[name]()
-            times[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-            WATCHDOG.disarm()
-        loads.append(_load())
-    stats = {name: _stats(times[name], cpu[name]) for name in names}
-    return stats, last, first, float(np.mean(loads))
-
-
-# ------------------------------------------------------------------------------------------------
-# machine
-
-
-def git_state() -> dict:
-    """The commit benchmarked, and which library files differ from it."""
-    import subprocess
-
-    def git(*a):
-        return subprocess.run(
-            ["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-
-    try:
-        return {
-            "git_commit": git("rev-parse", "HEAD"),
-            "git_modified": git("status", "--porcelain", "--", "whale_jax").splitlines(),
-        }
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_modified": None}
-
-
-def cpu_model() -> str:
-    """The CPU's model name (speed ratios against a peer differ between CPU makes)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info() -> dict:
-    import jax
-    import torch
-    import transformers
-
-    try:
-        import flax
-
-        flax_version = flax.__version__
-    except Exception:  # pragma: no cover
-        flax_version = None
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jax_backend": jax.default_backend(),
-        "flax": flax_version,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "transformers": transformers.__version__,
-        "numpy": np.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "host_devices": jax.device_count(),
-        **git_state(),
-        "load_avg_start": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
-# ------------------------------------------------------------------------------------------------
-# 3. matmul context
-
-
-def bench_matmul(n: int, repeats: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-    import torch
-
-    rng = np.random.default_rng(0)
-    a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-    ja, jb = jnp.asarray(a), jnp.asarray(b)
-    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    mm = jax.jit(jnp.matmul)
-    stats, _, _, load = time_cases(
-        {"xla": lambda: mm(ja, jb).block_until_ready(), "torch": lambda: ta @ tb}, repeats
-    )
-    flops = 2.0 * n**3
-    out = {"n": n, "load_1m": load}
-    for name, s in stats.items():
-        out[name] = {
-            "gflops_median": flops / s["median_s"] / 1e9,
-            "gflops_best": flops / s["min_s"] / 1e9,
-            **s,
-        }
-    return out
-
-
-# ------------------------------------------------------------------------------------------------
-# 1. gated delta rule: prototype variants of our kernel
-#
-# Same math as whale_jax.models.gated_delta.chunked_gated_delta_rule (see its docstring), arranged
-# differently, each checked against transformers in the same run:
-# - gdn_inscan: the library's structure (everything inside a rematerialised scan body) with a
-#   choice of solver for the (I + A) system: "trsm" = jax.scipy.linalg.solve_triangular (what the
-#   library did before it switched to matmuls), "block" = the library's solve_unit_lower (block
-#   forward substitution, b x b diagonal blocks inverted by repeated squaring) at another block;
-# - gdn_hoisted: all chunk-local work (decays, the solve, Q K^T) batched over every chunk *before*
-#   the scan, as transformers does; the scan then only carries the state through four matmuls;
-# - gdn_split_heads: independent scans over disjoint head groups, for two cores to share.
-
-
-def _solve(A, rhs, solver, block):
-    """(I + A) X = rhs for strictly lower A [..., C, C]."""
-    import jax
-
-    from whale_jax.models.gated_delta import solve_unit_lower
-
-    if solver == "trsm":
-        return jax.scipy.linalg.solve_triangular(A, rhs, lower=True, unit_diagonal=True)
-    if solver == "block":
-        return solve_unit_lower(A, rhs, block=block)
-    raise ValueError(solver)
-
-
-def gdn_hoisted(
-    q_BTHK,
-    k_BTHK,
-    v_BTHV,
-    g_BTH,
-    beta_BTH,
-    state_BHKV=None,
-    *,
-    chunk_size=64,
-    solver="trsm",
-    block=32,
-    fuse_reads=False,
-):
-    """Prototype: chunked gated delta rule with the chunk-local work hoisted out of the scan.
-    ``fuse_reads``: read the state for W and decayed Q with one [2C, K] @ [K, V] matmul."""
-    import jax
-    import jax.numpy as jnp
-
-    from whale_jax.models.gated_delta import from_chunks, to_chunks
-
-    (q, k, v, g, beta), S, layout = to_chunks(
-        q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, chunk_size
-    )
-    C, V = layout.C, layout.V
-    lower_incl = jnp.tril(jnp.ones((C, C), bool))
-    lower_strict = jnp.tril(jnp.ones((C, C), bool), -1)
-
-    G = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
-    decay = jnp.exp(jnp.where(lower_incl, G[..., :, None] - G[..., None, :], -jnp.inf))
-    kk = jnp.einsum("nbhik,nbhjk->nbhij", k, k)
-    A = jnp.where(lower_strict, beta[..., :, None] * kk * decay, 0.0)
-    eG = jnp.exp(G)
-    rhs = jnp.concatenate([v * beta[..., None], k * (beta * eG)[..., None]], -1)
-    solved = _solve(A, rhs, solver, block)
-    U, W = solved[..., :V], solved[..., V:]
-    attn = jnp.einsum("nbhik,nbhjk->nbhij", q, k) * decay
-    q_dec = q * eG[..., None]
-    G_last = G[..., -1]
-    k_to_end = k * jnp.exp(G_last[..., None] - G)[..., None]
-    chunk_decay = jnp.exp(G_last)[..., None, None]
-
-    def step(S_BHKV, xs):
-        U_BHCV, W_BHCK, q_BHCK, attn_BHCC, k_BHCK, dec_BH11 = xs
-        if fuse_reads:
-            WQ_BH2CK = jnp.concatenate([W_BHCK, q_BHCK], axis=-2)
-            read_BH2CV = jnp.einsum("bhck,bhkv->bhcv", WQ_BH2CK, S_BHKV)
-            v_new = U_BHCV - read_BH2CV[..., :C, :]
-            out = read_BH2CV[..., C:, :]
-        else:
-            v_new = U_BHCV - jnp.einsum("bhck,bhkv->bhcv", W_BHCK, S_BHKV)
-            out = jnp.einsum("bhck,bhkv->bhcv", q_BHCK, S_BHKV)
-        out = out + jnp.einsum("bhij,bhjv->bhiv", attn_BHCC, v_new)
-        S_BHKV = dec_BH11 * S_BHKV + jnp.einsum("bhck,bhcv->bhkv", k_BHCK, v_new)
-        return S_BHKV, out
-
-    S, out_NBHCV = jax.lax.scan(step, S, (U, W, q_dec, attn, k_to_end, chunk_decay))
-    return from_chunks(out_NBHCV, layout), S
-
-
-def gdn_inscan(
-    q_BTHK,
-    k_BTHK,
-    v_BTHV,
-    g_BTH,
-    beta_BTH,
-    state_BHKV=None,
-    *,
-    chunk_size=64,
-    solver="block",
-    block=16,
-):
-    """Prototype: the library's structure (all work inside a rematerialised scan body) with a
-    choice of solver; ``solver="trsm"`` is the library before it switched to matmuls."""
-    import jax
-    import jax.numpy as jnp
-
-    from whale_jax.models.gated_delta import from_chunks, to_chunks
-
-    (q, k, v, g, beta), S, layout = to_chunks(
-        q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, chunk_size
-    )
-    C, V = layout.C, layout.V
-    lower_incl = jnp.tril(jnp.ones((C, C), bool))
-    lower_strict = jnp.tril(jnp.ones((C, C), bool), -1)
-
-    @jax.checkpoint
-    def chunk(S, xs):
-        q, k, v, g, beta = xs
-        G = jnp.cumsum(g, axis=-1)
-        decay = jnp.exp(jnp.where(lower_incl, G[..., :, None] - G[..., None, :], -jnp.inf))
-        kk = jnp.einsum("bhik,bhjk->bhij", k, k)
-        A = jnp.where(lower_strict, beta[..., :, None] * kk * decay, 0.0)
-        rhs = jnp.concatenate([v * beta[..., None], k * (beta * jnp.exp(G))[..., None]], -1)
-        solved = _solve(A, rhs, solver, block)
-        U, W = solved[..., :V], solved[..., V:]
-        v_new = U - jnp.einsum("bhck,bhkv->bhcv", W, S)
-        attn = jnp.einsum("bhik,bhjk->bhij", q, k) * decay
-        out = jnp.exp(G)[..., None] * jnp.einsum("bhck,bhkv->bhcv", q, S)
-        out = out + jnp.einsum("bhij,bhjv->bhiv", attn, v_new)
-        G_last = G[..., -1]
-        k_to_end = k * jnp.exp(G_last[..., None] - G)[..., None]
-        S = jnp.exp(G_last)[..., None, None] * S + jnp.einsum("bhck,bhcv->bhkv", k_to_end, v_new)
-        return S, out
-
-    S, out_NBHCV = jax.lax.scan(chunk, S, (q, k, v, g, beta))
-    return from_chunks(out_NBHCV, layout), S
-
-
-def gdn_split_heads(
-    q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, *, parts=2, inner=None, **kwargs
-):
-    """Prototype: ``parts`` independent scans over disjoint groups of heads in one program, so
-    XLA's runtime can run them on different cores at once (one scan's small ops cannot use
-    more than one core well)."""
-    import jax.numpy as jnp
-
-    if inner in (None, "lib"):
-        from whale_jax.models.gated_delta import chunked_gated_delta_rule as inner
-    Hk, Hv = k_BTHK.shape[2], v_BTHV.shape[2]
-    parts = max(1, min(parts, Hk))
-    assert Hk % parts == 0, (Hk, parts)
-    hk, hv = Hk // parts, Hv // parts
-    outs, states = [], []
-    for i in range(parts):
-        ks, vs = slice(i * hk, (i + 1) * hk), slice(i * hv, (i + 1) * hv)
-        s0 = None if state_BHKV is None else state_BHKV[:, vs]
-        o, st = inner(
-            q_BTHK[:, :, ks],
-            k_BTHK[:, :, ks],
-            v_BTHV[:, :, vs],
-            g_BTH[:, :, vs],
-            beta_BTH[:, :, vs],
-            s0,
-            **kwargs,
-        )
-        outs.append(o)
-        states.append(st)
-    return jnp.concatenate(outs, axis=2), jnp.concatenate(states, axis=1)
-
-
-# name -> (function, keyword arguments)
-VARIANTS = {
-    "old_trsm": (gdn_inscan, dict(solver="trsm")),
-    "inscan_block32": (gdn_inscan, dict(solver="block", block=32)),
-    "hoisted_block16": (gdn_hoisted, dict(solver="block", block=16)),
-    "hoisted_block16_fused": (gdn_hoisted, dict(solver="block", block=16, fuse_reads=True)),
-    "hoisted_trsm": (gdn_hoisted, dict(solver="trsm")),
-    "split2": (gdn_split_heads, dict(parts=2, inner="lib")),
-}
-# At T=2048 by default: the library before its solver change, and the transformers-like layout.
-DEFAULT_VARIANTS = ("old_trsm", "hoisted_block16")
-
-
-def _variant(name):
-    fn, kwargs = VARIANTS[name]
-    return functools.partial(fn, chunk_size=CHUNK, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -596,8 +144,8 @@ def _compiled_case(fn, args):
     return case, warm
 
 
-def bench_gdn(T, shape, repeats, variants, B=1) -> dict:
-    """Forward pass of ours, torch and the prototype ``variants`` on the same inputs."""
+def bench_gdn(T, shape, repeats, B=1) -> dict:
+    """Forward pass of ours and torch on the same inputs."""
     import jax.numpy as jnp
     import torch
 
@@ -621,8 +169,6 @@ def bench_gdn(T, shape, repeats, variants, B=1) -> dict:
         cases[split[0]], warm[split[0]] = _compiled_case(ours, split[1])
     cases["torch"] = run_torch
     warm["torch"] = lambda: run_torch([t[:, : 4 * CHUNK] for t in targs])
-    for name in variants:
-        cases[name], warm[name] = _compiled_case(_variant(name), jargs)
     stats, last, first, load = time_cases(cases, repeats, warm)
 
     ref_out, ref_state = (t.numpy() for t in last["torch"])
@@ -642,7 +188,7 @@ def bench_gdn(T, shape, repeats, variants, B=1) -> dict:
     return result
 
 
-def bench_gdn_backward(T, shape, repeats, variants, B=1) -> dict:
+def bench_gdn_backward(T, shape, repeats, B=1) -> dict:
     """Forward + backward of sum(out): jax.grad w.r.t. all five inputs vs torch autograd."""
     import jax
     import jax.numpy as jnp
@@ -673,8 +219,6 @@ def bench_gdn_backward(T, shape, repeats, variants, B=1) -> dict:
         cases[split[0]], warm[split[0]] = _compiled_case(grad_of(ours), split[1])
     cases["torch"] = torch_case
     warm["torch"] = lambda: torch_case([t[:, : 4 * CHUNK] for t in targs])
-    for name in variants:
-        cases[name], warm[name] = _compiled_case(grad_of(_variant(name)), jargs)
     stats, last, first, load = time_cases(cases, repeats, warm)
     ref = [t.numpy() for t in last["torch"]]
     out = {"B": B, "T": T, **shape, "chunk_size": CHUNK, "load_1m": load, "cases": {}}
@@ -696,48 +240,7 @@ def bench_gdn_backward(T, shape, repeats, variants, B=1) -> dict:
 # 2. full-model prefill
 
 
-def build_pair(hf_config: dict, seed: int, tmp: Path):
-    """(torch model, our jitted forward, info): same config dict, same weights."""
-    import jax
-    import torch
-    import transformers
-    from flax import nnx
-
-    import whale_jax
-
-    cfg = dict(hf_config)
-    model_type = cfg.pop("model_type")
-    config = transformers.CONFIG_MAPPING[model_type](**json.loads(json.dumps(cfg)))
-    config._attn_implementation = TORCH_ATTN
-    torch.manual_seed(seed)
-    model_cls = {
-        "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
-        "llama": transformers.LlamaForCausalLM,
-    }[model_type]
-    tmodel = model_cls(config).to(torch.float32).eval()
-    # transformers' default init (std 0.02) leaves logits near zero; give every matrix a
-    # 1/sqrt(fan_in) scale so the agreement check sees signals of order one.
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in tmodel.parameters():
-            if p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-    tmodel.save_pretrained(tmp, safe_serialization=True)
-    loaded = whale_jax.load_model(tmp)
-    graphdef, state = nnx.split(loaded.model)
-
-    @jax.jit
-    def forward(state, tokens_BT):
-        return nnx.merge(graphdef, state)(tokens_BT)
-
-    info = {
-        "torch_attn_implementation": tmodel.config._attn_implementation,
-        "num_params": int(sum(p.numel() for p in tmodel.parameters())),
-    }
-    return tmodel, (forward, state), info
-
-
-def bench_model(name: str, hf_config: dict, shapes, repeats, seed=0) -> dict:
+def bench_prefill(name: str, hf_config: dict, shapes, repeats, seed=0) -> dict:
     import jax.numpy as jnp
     import torch
 
@@ -891,14 +394,8 @@ def main(argv=None) -> int:
         help="run only these sections (repeatable)",
     )
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per case")
-    p.add_argument("--out", type=Path, default=RESULTS, help="JSON output path")
+    p.add_argument("--out", type=Path, default=RESULTS / "model.json", help="JSON output path")
     p.add_argument("--no-save", action="store_true", help="print only, write no JSON")
-    p.add_argument(
-        "--variants",
-        choices=["default", "all"],
-        default="default",
-        help="GDN prototypes at T=2048: the default few, or all of VARIANTS",
-    )
     p.add_argument(
         "--cpus",
         type=int,
@@ -921,22 +418,13 @@ def main(argv=None) -> int:
         help="if one call takes longer (seconds; 0: never), dump all stacks, save and exit",
     )
     args = p.parse_args(argv)
-    global VERBOSE
-    VERBOSE = args.verbose
-    if args.cpus > 0:
-        # Before jax/torch are imported: both size their thread pools from the affinity mask.
-        if "jax" in sys.modules or "torch" in sys.modules:
-            raise SystemExit("--cpus must take effect before jax and torch are imported")
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
-    import jax  # after the pinning: its CPU thread pool is sized from the affinity mask
-
-    host_devices = args.host_devices or len(os.sched_getaffinity(0))
-    jax.config.update("jax_num_cpu_devices", host_devices)  # before the backend starts
+    use_cpus(args.cpus, args.host_devices)
     if hasattr(faulthandler, "register"):
         import signal
 
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: stacks
-    WATCHDOG.limit_s = args.watchdog
+    WATCHDOG.limit_s, WATCHDOG.verbose = args.watchdog, args.verbose
+    WATCHDOG.summary = print_summary
     sections = set(args.only or ["matmul", "gdn", "model"])
     quick = args.quick
     reps = args.repeats or (3 if quick else 7)
@@ -977,17 +465,16 @@ def main(argv=None) -> int:
 
     if "gdn" in sections:
         results["gdn"] = []
-        explore = list(VARIANTS) if args.variants == "all" else list(DEFAULT_VARIANTS)
-        plan = [(2048, GDN_SHAPE, [] if quick else explore, reps)]
+        plan = [(2048, GDN_SHAPE, reps)]
         if not quick:
             long_reps = max(3, reps - 4)
             plan += [
-                (512, GDN_SHAPE, [], reps),
-                (8192, GDN_SHAPE, [], long_reps),
-                (2048, GDN_GROUPED, [], long_reps),
+                (512, GDN_SHAPE, reps),
+                (8192, GDN_SHAPE, long_reps),
+                (2048, GDN_GROUPED, long_reps),
             ]
-        for T, shape, variants, n in plan:
-            r = bench_gdn(T, shape, n, variants)
+        for T, shape, n in plan:
+            r = bench_gdn(T, shape, n)
             results["gdn"].append(r)
             print_gdn(r)
             checkpoint()
@@ -997,14 +484,13 @@ def main(argv=None) -> int:
         print("\nprefill (logits for all positions), fp32", flush=True)
         results["model"] = []
         for n, c in MODELS.items():
-            results["model"].append(bench_model(n, c, shapes, model_reps))
+            results["model"].append(bench_prefill(n, c, shapes, model_reps))
             checkpoint()
 
     if "gdn" in sections and not quick:
-        # Last: jax.grad through solve_triangular (the library's solver until 2026-12-02)
-        # deadlocked XLA's multi-threaded CPU runtime here; should a backward hang again, the
-        # watchdog keeps everything measured before it.
-        r = bench_gdn_backward(2048, GDN_SHAPE, max(3, reps - 4), [])
+        # Last: should the backward hang XLA's CPU runtime (jax.grad through a triangular solve
+        # has deadlocked it), the watchdog still saves everything measured before it.
+        r = bench_gdn_backward(2048, GDN_SHAPE, max(3, reps - 4))
         results["gdn_backward"] = r
         print_gdn_backward(r)
         checkpoint()

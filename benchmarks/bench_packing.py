@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from common import QWEN3_5_SMALL, machine_info, save_results
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench_model import QWEN3_5_SMALL, machine_info, save_results  # noqa: E402
-
-import whale_jax  # noqa: E402
-from whale_jax.train.packing import pad_fraction  # noqa: E402
-from whale_jax.train.rows import Row  # noqa: E402
-from whale_jax.train.trainer import TrainConfig, Trainer  # noqa: E402
+import whale_jax
+from whale_jax.train.packing import pad_fraction
+from whale_jax.train.rows import Row
+from whale_jax.train.trainer import TrainConfig, Trainer
 
 
 def draw_rows(n: int, vocab: int, seed: int) -> list[Row]:

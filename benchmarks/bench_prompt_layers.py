@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+from common import QWEN3_5_SMALL, RESULTS, build_pair, save_results
 
 DEFAULT_SHAPES = "[(1,4,128),(16,4,128),(4,8,128),(2,24,192),(16,24,192),(8,48,256),(16,96,128)]"
 
@@ -48,8 +44,6 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "qwen3_5_small":
-            from bench_model import QWEN3_5_SMALL, build_pair
-
             build_pair(QWEN3_5_SMALL, 0, Path(tmp))
             model, _, _ = whale_jax.load_model(tmp)
         else:
@@ -95,8 +89,8 @@ def main() -> None:
             win = f" ({kv})" if call == "resume" else ""
             print(f"| {call} | {P} x {T}{win} | {u[0]:.2f} / {u[1] * 1e3:.1f} | "
                   f"{s[0]:.2f} / {s[1] * 1e3:.1f} |", flush=True)  # fmt: skip
-    out = args.out or REPO / "benchmarks" / "results" / f"prompt_layers_{args.model}.json"
-    out.write_text(json.dumps({"model": args.model, "cpu": args.cpu, "cases": cases}, indent=1))
+    out = args.out or RESULTS / f"prompt_layers_{args.model}.json"
+    save_results({"model": args.model, "cpu": args.cpu, "cases": cases}, out)
     print(f"wrote {out}")
 
 

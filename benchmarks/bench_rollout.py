@@ -35,10 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.bench_model import compile_timer, cpu_model, git_state, save_results  # noqa: E402
-from benchmarks.thread_profile import ThreadSampler  # noqa: E402
+from common import compile_timer, cpu_model, git_state, save_results
+from thread_profile import ThreadSampler
 
 VOTE = """
 SYSTEM_PROMPT = "You are a calculator. Answer with only the number."

@@ -1,11 +1,10 @@
 """Training benchmark: our RSFT train step beside transformers + torch.optim.AdamW, and the memory of
 the Qwen3.5-2B/4B train steps compiled ahead of time for an 8-device mesh.
 
-1. **train** (this CPU, fp32): for each model (``qwen3_5_small`` built by bench_model, and
-   SmolLM2-135M from the bundled GGUF; both sides load the same weights through
-   ``bench_engine.load_models``), one fixed batch of ``--rows`` random rows of ``--row-len``
-   tokens whose second half is trained (the "completion"). One step = forward + backward + AdamW
-   over the whole batch (one microbatch):
+1. **train** (this CPU, fp32): for each model (``qwen3_5_small`` and SmolLM2-135M from the
+   bundled GGUF; both sides load the same weights through ``common.load_models``), one fixed
+   batch of ``--rows`` random rows of ``--row-len`` tokens whose second half is trained (the
+   "completion"). One step = forward + backward + AdamW over the whole batch (one microbatch):
 
    - ours: ``Trainer(model, TrainConfig(optim=OptimConfig(learning_rate=1e-5), seq_len=L,
      micro_tokens=rows * L, remat=...), mesh).update(rows)``, on a mesh of 1 device and of every
@@ -20,7 +19,7 @@ the Qwen3.5-2B/4B train steps compiled ahead of time for an 8-device mesh.
    variant must match torch's to 1e-3 relative (exit status 1 otherwise). Timing: each case is
    warmed up once (ours: that call compiles; reported as ``first_call_s``, and ``compile_s`` =
    the tracing, lowering and XLA compile time JAX's monitoring events report during it), then
-   cases run round-robin (bench_model.time_cases); tokens/s = all token positions of the batch /
+   cases run round-robin (common.time_cases); tokens/s = all token positions of the batch /
    median step time. Same-run fp32 matmul GFLOP/s
    (XLA and torch) are context. On a shared machine torch's multi-threaded ops slow down by 10x
    and more when a neighbour holds a core (each op's thread hand-off waits): ``--cpus 1`` pins
@@ -57,24 +56,20 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from bench_engine import flops_per_token, load_models  # noqa: E402
-from bench_model import (  # noqa: E402
+from common import (
     QWEN3_5_FAMILY,
+    REPO,
+    RESULTS,
     WATCHDOG,
     bench_matmul,
     compile_timer,
+    flops_per_token,
+    load_models,
     machine_info,
     save_results,
     time_cases,
+    use_cpus,
 )
-
-RESULTS = REPO / "benchmarks" / "results" / "train.json"
-AOT_RESULTS = REPO / "benchmarks" / "results" / "train_aot.json"
 
 # Qwen3.5 text models (the paper's policies). Attention, MLP, depth, vocabulary, RoPE and tying
 # are the Megatron arguments of the slime/miles training recipes: williammtan/miles
@@ -84,7 +79,7 @@ AOT_RESULTS = REPO / "benchmarks" / "results" / "train_aot.json"
 # groups, kv-channels 256); both: vocab 248320, rotary-percent 0.25, rotary-base 1e7, and no
 # --untie-embeddings-and-output-weights (tied; the 27B recipe unties). Those recipes do not carry
 # the Gated DeltaNet shapes (their spec reads them from the HF config): 16 key / 16 value heads
-# of 128 for 2B (as 0.8B; bench_model's GDN_SHAPE) and 16 key / 32 value heads of 128 for 4B are
+# of 128 for 2B (as 0.8B; bench_model.py's GDN_SHAPE) and 16 key / 32 value heads of 128 for 4B are
 # from public config fixtures of other projects that mirror the HF text_config (found by text
 # search, repository not identified), so those counts are the least certain numbers here.
 # The multi-token-prediction layer (mtp_num_hidden_layers 1) is not part of our model.
@@ -595,8 +590,8 @@ def main(argv=None) -> int:
         default=0,
         help="XLA CPU devices for the train part (0: one per CPU the process may use)",
     )
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--aot-out", type=Path, default=AOT_RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "train.json")
+    ap.add_argument("--aot-out", type=Path, default=RESULTS / "train_aot.json")
     ap.add_argument("--aot-models", default="qwen3_5_2b,qwen3_5_4b")
     ap.add_argument(
         "--aot-meshes", default="1x8x1,1x4x2", help="comma-separated DATAxFSDPxTP meshes"
@@ -618,14 +613,7 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(aot_child(spec)))
         return 0
 
-    if args.cpus > 0:  # before jax/torch are imported: both size their thread pools from it
-        if "jax" in sys.modules or "torch" in sys.modules:
-            raise SystemExit("--cpus must take effect before jax and torch are imported")
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
-    import jax
-
-    host_devices = args.host_devices or len(os.sched_getaffinity(0))
-    jax.config.update("jax_num_cpu_devices", host_devices)  # before the backend starts
+    use_cpus(args.cpus, args.host_devices)
     sections = set(args.only or ["train", "aot"])
     args.devices, args.remat = _ints(args.devices), _ints(args.remat)
     args.aot_models = [m for m in args.aot_models.split(",") if m]

@@ -24,18 +24,13 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+from common import REPO, machine_info, save_results
 
-from bench_model import machine_info, save_results  # noqa: E402
-
-from harness.search import frontier  # noqa: E402
-from harness.search.archive import Archive  # noqa: E402
-from whale_jax.loop.report import write_report  # noqa: E402
-from whale_jax.train.rows import ROW_ORIGINS, SESSION_OUTCOMES  # noqa: E402
+from harness.search import frontier
+from harness.search.archive import Archive
+from whale_jax.loop.report import write_report
+from whale_jax.train.rows import ROW_ORIGINS, SESSION_OUTCOMES
 
 ROW_KEYS = ("kept", "rows", *ROW_ORIGINS, *SESSION_OUTCOMES)
 

@@ -14,22 +14,18 @@ weight sync / evaluation) and writes the curve to JSON.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import machine_info, save_results
 
-from bench_model import machine_info, save_results  # noqa: E402
-
-from harness.api import SamplingSettings  # noqa: E402
-from harness.domains.arith import ArithDomain, generate  # noqa: E402
-from harness.executor import Executor, ExecutorConfig  # noqa: E402
-from harness.splits import split_by_hash  # noqa: E402
-from whale_jax.engine.client import EngineClient  # noqa: E402
-from whale_jax.io.load import load_model  # noqa: E402
-from whale_jax.loop.run import mean_at_k as loop_mean_at_k  # noqa: E402
-from whale_jax.train import (  # noqa: E402
+from harness.api import SamplingSettings
+from harness.domains.arith import ArithDomain, generate
+from harness.executor import Executor, ExecutorConfig
+from harness.splits import split_by_hash
+from whale_jax.engine.client import EngineClient
+from whale_jax.io.load import load_model
+from whale_jax.loop.run import mean_at_k as loop_mean_at_k
+from whale_jax.train import (
     DataCursor,
     OptimConfig,
     RSFTConfig,

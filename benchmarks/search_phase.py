@@ -16,24 +16,20 @@ import platform
 import shutil
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import save_results
 
-from bench_model import save_results  # noqa: E402
-
-from harness.api import SamplingSettings  # noqa: E402
-from harness.domains import skill_text  # noqa: E402
-from harness.executor import Executor, ExecutorConfig  # noqa: E402
-from harness.search import frontier  # noqa: E402
-from harness.search.archive import Archive  # noqa: E402
-from harness.search.phase import HarnessPhase, SearchConfig  # noqa: E402
-from harness.search.proposers.offline import OfflineProposer  # noqa: E402
-from whale_jax.engine.client import EngineClient  # noqa: E402
-from whale_jax.io.load import load_model  # noqa: E402
-from whale_jax.loop.config import DataConfig  # noqa: E402
-from whale_jax.loop.data import load_domain_data  # noqa: E402
+from harness.api import SamplingSettings
+from harness.domains import skill_text
+from harness.executor import Executor, ExecutorConfig
+from harness.search import frontier
+from harness.search.archive import Archive
+from harness.search.phase import HarnessPhase, SearchConfig
+from harness.search.proposers.offline import OfflineProposer
+from whale_jax.engine.client import EngineClient
+from whale_jax.io.load import load_model
+from whale_jax.loop.config import DataConfig
+from whale_jax.loop.data import load_domain_data
 
 
 def domain_and_tasks(name: str, n: int, seed: int):
@@ -56,7 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--fresh", action="store_true", help="delete the archive first (else resume)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    out = args.out or f"benchmarks/results/search_{args.domain}.json"
+    out = args.out or f"benchmarks/results/search_phase_{args.domain}.json"
 
     domain, tasks = domain_and_tasks(args.domain, args.tasks, args.seed)
     model, _, tokenizer = load_model("smollm2")
