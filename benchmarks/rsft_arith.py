@@ -21,10 +21,10 @@ from common import machine_info, save_results
 from harness.api import SamplingSettings
 from harness.domains.arith import ArithDomain, generate
 from harness.executor import Executor, ExecutorConfig
+from harness.records import mean_at_k as records_mean_at_k
 from harness.splits import split_by_hash
 from whale_jax.engine.client import EngineClient
 from whale_jax.io.load import load_model
-from whale_jax.loop.run import mean_at_k as loop_mean_at_k
 from whale_jax.train import (
     DataCursor,
     OptimConfig,
@@ -38,7 +38,7 @@ from whale_jax.train import (
 def mean_at_k(executor, source, domain, tasks, k, step) -> tuple[float, float]:
     t0 = time.perf_counter()
     records = executor.run(source, domain, tasks, samples=k, run_id=f"eval{step}", step=-1 - step)
-    return loop_mean_at_k(records, tasks), time.perf_counter() - t0
+    return records_mean_at_k(records, tasks), time.perf_counter() - t0
 
 
 def main(argv=None) -> int:

@@ -101,6 +101,10 @@ class ChatRequest:
     # Function schemas the model may call (JSON objects, e.g. {"type": "function", "function":
     # {"name", "description", "parameters"}}), rendered by the chat template into the prompt.
     tools: tuple[dict[str, Any], ...] = ()
+    # The executor's ledger decides, once, whether this call continues ``session_id``: its
+    # messages are that session's last call's messages, that call's reply and new messages, with
+    # the same tools. A backend trusts it (it may append only the new messages' tokens).
+    continues: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

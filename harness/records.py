@@ -140,6 +140,12 @@ def task_rewards(records: list[EpisodeRecord], tasks: Sequence[Any]) -> list[flo
     return [sum(by[t.id]) / len(by[t.id]) if t.id in by else 0.0 for t in tasks]
 
 
+def mean_at_k(records: list[EpisodeRecord], tasks: Sequence[Any]) -> float:
+    """Per task the mean reward over its episodes, averaged over tasks (the paper's mean@k)."""
+    scores = task_rewards(records, tasks)
+    return sum(scores) / len(scores) if scores else 0.0
+
+
 def summarize(records: list[EpisodeRecord]) -> EvalSummary:
     n = len(records)
     errors: dict[str, int] = {}

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from harness import domains
 from harness.data import read_rows
 from harness.domains.base import Source
+from harness.files import write_json
 
 
 def sources(domain: str) -> list[Source]:
@@ -129,10 +130,7 @@ def fetch(
         manifest[source.out] = {"sha256": sha256(out), "bytes": os.path.getsize(out),
                                 "repo": source.repo, "revision": revision,
                                 "files": [os.path.relpath(p, dest) for p in files]}  # fmt: skip
-        tmp = manifest_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-        os.replace(tmp, manifest_path)
+        write_json(manifest_path, manifest)
         log(f"{source.out}: {manifest[source.out]['bytes']:,} bytes, sha256 "
             f"{manifest[source.out]['sha256'][:16]}... ({time.monotonic() - t0:.0f}s)")  # fmt: skip
     return manifest

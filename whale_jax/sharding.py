@@ -88,3 +88,41 @@ def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Sharding for [batch, ...] inputs: batch over data x fsdp, the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+# ---- agreement across hosts (every host must run the same steps, shapes and choices) ----------
+
+
+def process_max(value: int) -> int:
+    """The largest ``value`` over all hosts (every host must run the same steps and shapes)."""
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.int64(value))))
+
+
+def process_gather_json(value) -> list:
+    """``value`` (anything JSON can hold) from every host, in process order."""
+    if jax.process_count() == 1:
+        return [value]
+    import json
+
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(value, sort_keys=True).encode(), np.uint8)
+    width = process_max(raw.size)
+    padded = np.zeros(width + 8, np.uint8)
+    padded[:8] = np.frombuffer(np.int64(raw.size).tobytes(), np.uint8)
+    padded[8 : 8 + raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(r[8 : 8 + int(np.frombuffer(r[:8].tobytes(), np.int64)[0])]))
+            for r in rows]  # fmt: skip
+
+
+def process_sum(value: float) -> float:
+    if jax.process_count() == 1:
+        return float(value)
+    from jax.experimental import multihost_utils
+
+    return float(np.sum(multihost_utils.process_allgather(np.float64(value))))

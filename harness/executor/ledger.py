@@ -89,10 +89,18 @@ def check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
 
 @dataclasses.dataclass
 class Session:
+    """One conversation of an episode: the ledger is the one place that decides which calls
+    belong to it (``ChatRequest.continues``); the backend, the records and the rows follow."""
+
     id: str
     prefix: list[dict[str, str]] = dataclasses.field(default_factory=list)
     turns: int = 0
     tools: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def continuing(self) -> bool:
+        """Whether the call just admitted continues this conversation (it is not its first)."""
+        return self.turns > 1
 
 
 @dataclasses.dataclass

@@ -60,7 +60,7 @@ class ExecutorConfig:
     run_seed: int = 0
     step: int = 0
     load_timeout_s: float = 60.0
-    sandbox: jail.Policy = jail.Policy()
+    sandbox: jail.Policy = dataclasses.field(default_factory=jail.Policy)  # mode read when made
     # The Python-level layers: static check, audit hook, restricted builtins and module facades.
     # Off only in tests that show the OS layer holds alone.
     python_layers: bool = True
@@ -109,17 +109,13 @@ class Executor:
     """Runs harness source over tasks. One Executor serves many runs, also concurrently from
     several threads (harness-search candidates): each run has its own zygote."""
 
-    def __init__(self, backend: ChatBackend, config: ExecutorConfig = ExecutorConfig()):
+    def __init__(self, backend: ChatBackend, config: ExecutorConfig | None = None):
         self.backend = backend
-        self.config = config
+        self.config = config = config or ExecutorConfig()
         self._calls = concurrent.futures.ThreadPoolExecutor(config.backend_threads, "model-call")
         self._tools = concurrent.futures.ThreadPoolExecutor(config.tool_threads, "tool-call")
+        # What the sandbox applied in the latest run that started a zygote (layer: how).
         self.last_protections: dict[str, str] = {}
-        self.last_backend_stats: dict[str, float] = {}
-
-    def _backend_stats(self) -> dict[str, float]:
-        stats = getattr(self.backend, "stats", None)
-        return dict(stats()) if callable(stats) else {}
 
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
@@ -146,12 +142,7 @@ class Executor:
         Raises SandboxUnavailable when the machine refuses a protection the policy requires."""
         r = _Run(self, source, domain, tasks, samples, run_id)
         r.step = self.config.step if step is None else int(step)
-        before = self._backend_stats()
         records = r.execute()
-        after = self._backend_stats()
-        # The backend's counters (e.g. the engine's prefix cache) over this run; runs sharing
-        # the backend at the same time are counted in each other's.
-        self.last_backend_stats = {k: v - before.get(k, 0) for k, v in after.items()}
         if r.protections:
             self.last_protections = r.protections
         return records
@@ -463,8 +454,9 @@ class _Run:
                 sample_index=ep.sample,
                 call_index=call.call_index,
             ),
-            max_prompt_tokens=self.budgets.prompt_cap(session.turns > 1),
+            max_prompt_tokens=self.budgets.prompt_cap(session.continuing),
             tools=tools,
+            continues=session.continuing,
         )
         self.ex._calls.submit(self.call_model, ep, ep.attempt, rid, request, call, session)
 

@@ -30,7 +30,7 @@ class PythonToolConfig:
         memory_bytes=2 << 30, cpu_s=30, output_bytes=8 << 10
     )
     max_parallel: int = 2  # processes at once, whatever the number of episodes
-    sandbox: jail.Policy = jail.Policy()
+    sandbox: jail.Policy = dataclasses.field(default_factory=jail.Policy)  # mode read when made
     start_timeout_s: float = 120.0  # the tool zygote's start (imports sympy once)
 
 
@@ -182,6 +182,6 @@ def pool(config: PythonToolConfig) -> _Pool:
         return _pools[config]
 
 
-def run_python(code: str, config: PythonToolConfig = PythonToolConfig()) -> dict[str, str]:
+def run_python(code: str, config: PythonToolConfig | None = None) -> dict[str, str]:
     """Returns {"status": ok | error | timeout | killed, "stdout", "stderr"}."""
-    return pool(config).run(code)
+    return pool(config or PythonToolConfig()).run(code)

@@ -28,37 +28,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterable
 from typing import Any
 
+from harness.files import read_json, write_atomic, write_json
 from harness.records import EpisodeRecord, EvalSummary
 
 _NAME = re.compile(r"^h\d{3}-[a-z0-9][a-z0-9-]{0,40}$")
-
-
-def write_atomic(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def write_json(path: str, obj: Any) -> None:
-    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def read_json(path: str) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def slug(text: str) -> str:

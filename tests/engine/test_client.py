@@ -23,7 +23,9 @@ def client(qwen_chat_model, qwen_tokenizer):
     c.close()
 
 
-def ask(messages, *, session="s", call=0, sample=0, max_prompt_tokens=None, tools=(), **settings):
+def ask(messages, *, session="s", call=0, sample=0, max_prompt_tokens=None, tools=(),
+        continues=None, **settings):  # fmt: skip
+    """A request as the executor's ledger makes it: a later call of a session continues it."""
     settings.setdefault("max_new_tokens", 6)
     return ChatRequest(
         episode_id="e",
@@ -34,6 +36,7 @@ def ask(messages, *, session="s", call=0, sample=0, max_prompt_tokens=None, tool
         rng=RngKey(run_seed=1, step=0, task_id="t", sample_index=sample, call_index=call),
         max_prompt_tokens=max_prompt_tokens,
         tools=tuple(tools),
+        continues=call > 0 if continues is None else continues,
     )
 
 
@@ -116,8 +119,9 @@ def test_tools_render_into_the_first_prompt_and_the_session_keeps_them(client, q
     history = [SYSTEM, USER, {"role": "assistant", "content": first.text}, tool]
     second = client.chat(ask(history, session="tools", call=1, tools=[CALCULATOR]))
     assert list(second.prompt_ids[: len(first.prompt_ids)]) == list(first.prompt_ids)
-    # The same messages with other tools are not that conversation: rendered anew.
-    other = client.chat(ask(history, session="tools", call=2))
+    # The same messages with other tools are not that conversation (the ledger starts a new one):
+    # rendered anew.
+    other = client.chat(ask(history, session="tools", call=2, continues=False))
     assert list(other.prompt_ids) == qwen_tokenizer.encode(fmt.render(history))
 
 
@@ -130,7 +134,9 @@ def test_changed_history_starts_a_new_row(client, qwen_tokenizer):
         {"role": "assistant", "content": first.text},
         {"role": "tool", "content": "1"},
     ]
-    second_request = ask(edited, session="edit", call=1)
+    # The ledger would start a new session; under the old id the rows see tokens that do not
+    # extend the session's and start a new row.
+    second_request = ask(edited, session="edit", call=1, continues=False)
     second = client.chat(second_request)
     assert list(second.prompt_ids) == qwen_tokenizer.encode(qwen3_5_format().render(edited))
     rows, counts = rows_from_records(

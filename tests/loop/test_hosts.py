@@ -13,7 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from harness.search.archive import read_json
+from harness.files import read_json
 from tests.loop.conftest import REPO, main_command, run_main, small_run_flags
 from tests.loop.test_run import metric_lines
 

@@ -298,18 +298,3 @@ class Session:
     ids: list[int] = dataclasses.field(default_factory=list)
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     ended_with_end_of_turn: bool = True
-    replies: tuple[str, ...] = ()  # texts an assistant message may carry to continue the session
-    tools: tuple[dict[str, Any], ...] = ()  # the schemas its first prompt rendered
-
-    def continues(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] = ()
-    ) -> bool:
-        """Whether ``messages`` extend this session: the same tools, the same messages, the last
-        reply as the assistant message (its visible or raw text), and at least one new message."""
-        n = len(self.messages)
-        if n == 0 or len(messages) <= n or tuple(tools) != self.tools:
-            return False
-        if [dict(m) for m in messages[: n - 1]] != self.messages[:-1]:
-            return False
-        last = messages[n - 1]
-        return last.get("role") == "assistant" and last.get("content") in self.replies

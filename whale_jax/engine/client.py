@@ -5,10 +5,11 @@ engine, and returns the visible text (thinking removed), the raw completion, the
 completion ids and the parsed tool calls. It is called from many threads at once; each call blocks
 on its own result while the engine batches them.
 
-A session (``request.session_id``) is one token sequence: when a call's messages extend the
-previous call's messages plus that call's reply, only the new messages are rendered (the template's
-delta) and appended to the sequence so far, and the engine continues from the parked decode state
-of the previous call instead of re-prefilling. Any other call starts the session's sequence anew,
+A session (``request.session_id``) is one token sequence: when the request continues it
+(``request.continues``, decided by the executor's ledger, which the client trusts), only the new
+messages are rendered (the template's delta) and appended to the sequence so far, and the engine
+continues from the parked decode state of the previous call instead of re-prefilling. Any other
+call (or a continuing one whose session is no longer kept) starts the session's sequence anew,
 with the ends of its system message and of the messages before the last one marked as snapshot
 points: the engine keeps the state there, so prompts that share them (a harness's system prompt
 and few-shot turns, votes over one conversation) are not prefilled again. The ids of a rendered
@@ -108,9 +109,9 @@ class EngineClient:
         s = request.settings
         messages = [dict(m) for m in request.messages]
         with self._lock:
-            session = self._sessions.get(request.session_id)
+            session = self._sessions.get(request.session_id) if request.continues else None
         tools = list(request.tools)
-        continuing = session is not None and session.continues(messages, request.tools)
+        continuing = session is not None
         snapshots: tuple[int, ...] = ()
         try:
             if continuing:
@@ -168,8 +169,6 @@ class EngineClient:
             ids=prompt + ids,
             messages=[*messages, {"role": "assistant", "content": reply.text}],
             ended_with_end_of_turn=stopped and ids[-1] == self._end_of_turn_id,
-            replies=(reply.text, raw),
-            tools=tuple(request.tools),
         )
         with self._lock:
             self._sessions[request.session_id] = new_session
@@ -285,11 +284,6 @@ class EngineClient:
         return tuple(points)
 
     # -- sessions ----------------------------------------------------------------------------------
-    def end_session(self, session_id: str) -> None:
-        with self._lock:
-            self._sessions.pop(session_id, None)
-        self.engine.forget(session_id)
-
     def session(self, session_id: str) -> Session | None:
         with self._lock:
             s = self._sessions.get(session_id)

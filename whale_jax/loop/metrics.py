@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+from harness.files import write_atomic
+
 # ---- JSONL -------------------------------------------------------------------------------------
 
 
@@ -44,13 +46,7 @@ class MetricsLog:
                 f"{self.path}: {len(complete)} lines, fewer than the {lines} the checkpoint "
                 "recorded (the metrics file was edited or lost)"
             )
-        kept = b"".join(p + b"\n" for p in complete[:lines])
-        tmp = self.path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_atomic(self.path, b"".join(p + b"\n" for p in complete[:lines]))
         self.lines = lines
         return len(complete) - lines
 

@@ -25,11 +25,11 @@ from typing import Any
 import jax
 
 from harness.domains import skill_text
-from harness.domains.base import Task
 from harness.executor import Executor, ExecutorConfig
-from harness.records import EpisodeRecord, task_rewards
+from harness.files import read_json, write_atomic, write_json
+from harness.records import mean_at_k
 from harness.sandbox.jail import Policy
-from harness.search.archive import Archive, read_json, write_atomic, write_json
+from harness.search.archive import Archive
 from harness.search.phase import HarnessPhase, PhaseInterrupted
 from whale_jax.compiled import MappingGuard
 from whale_jax.loop import schedule as sched
@@ -92,12 +92,6 @@ class LoopState:
     def from_dict(cls, d: dict[str, Any]) -> LoopState:
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in fields})
-
-
-def mean_at_k(records: list[EpisodeRecord], tasks: list[Task]) -> float:
-    """Per task the mean reward over its episodes, averaged over tasks."""
-    scores = task_rewards(records, tasks)
-    return sum(scores) / len(scores) if scores else 0.0
 
 
 class CountingProposer:
@@ -203,7 +197,7 @@ class WhaleRun:
         barrier, or stopped while the others trained, would hang the job."""
         if jax.process_count() == 1:
             return bool(flag)
-        from whale_jax.train.trainer import process_max
+        from whale_jax.sharding import process_max
 
         return bool(process_max(int(bool(flag))))
 
@@ -291,7 +285,7 @@ class WhaleRun:
         file there; every host must see it."""
         from etils import epath
 
-        from whale_jax.train.trainer import process_gather_json
+        from whale_jax.sharding import process_gather_json
 
         root = epath.Path(self.config.checkpoint_dir)
         host0 = jax.process_index() == 0
@@ -582,7 +576,7 @@ class WhaleRun:
     def _sync_harness(self) -> None:
         """Every host takes host 0's current harness (a resumed host's own disk may lack the
         accepted source a checkpoint refers to)."""
-        from whale_jax.train.trainer import process_gather_json
+        from whale_jax.sharding import process_gather_json
 
         mine: dict[str, Any] = {}
         if jax.process_index() == 0:

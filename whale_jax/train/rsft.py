@@ -32,6 +32,7 @@ from harness.domains.base import Domain, Task
 from harness.executor import Executor
 from harness.records import EpisodeRecord
 from harness.splits import key_rank
+from whale_jax.sharding import process_gather_json, process_max
 from whale_jax.train.rows import (
     ROW_ORIGINS,
     SESSION_OUTCOMES,
@@ -39,7 +40,7 @@ from whale_jax.train.rows import (
     rows_from_records,
     session_outcomes,
 )
-from whale_jax.train.trainer import Trainer, process_gather_json, process_max
+from whale_jax.train.trainer import Trainer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
