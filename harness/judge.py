@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from harness.search.proposers.llm import api_key_from_env
+from harness.endpoints import GEMINI_BASE_URL, OPENAI_BASE_URL, api_key_from_env
 
 JUDGES = ("openai", "gemini")
 ATTEMPTS = 3
@@ -51,9 +51,7 @@ class LLMJudge:
         if kind == "openai":
             import openai
 
-            from harness.search.proposers.openai_backend import DEFAULT_BASE_URL
-
-            url = base_url or DEFAULT_BASE_URL
+            url = base_url or OPENAI_BASE_URL
             key = api_key_from_env(api_key_env or "OPENAI_API_KEY", url, self.name)
             client = openai.OpenAI(api_key=key, base_url=url, timeout=timeout_s, max_retries=0)
 
@@ -68,9 +66,7 @@ class LLMJudge:
             from google import genai
             from google.genai import types
 
-            from harness.search.proposers.gemini_backend import DEFAULT_BASE_URL
-
-            url = base_url or DEFAULT_BASE_URL
+            url = base_url or GEMINI_BASE_URL
             key = api_key_from_env(api_key_env or "GEMINI_API_KEY", url, self.name)
             client = genai.Client(
                 vertexai=False, api_key=key,

@@ -52,7 +52,7 @@ ORIGINS = (ANSWER, VERIFIED, PLAYED, UNSCORED, FLAGGED)
 @dataclasses.dataclass(kw_only=True)
 class SessionVerdict:
     """The verifier's word on one conversation that has trained (``train=True``) completions.
-    ``reward`` None: not scored, so not trained. Decided by ``harness.executor.verdicts`` in the trusted
+    ``reward`` None: not scored, so not trained. Decided by ``harness.verdicts`` in the trusted
     process; RSFT trains a session's tokens only when ``reward`` is above its threshold."""
 
     session_id: str

@@ -292,7 +292,7 @@ def main(argv: list[str]) -> int:
     from whale_jax.loop.checkpoint import CheckpointMismatch
     from whale_jax.loop.hosts import PhaseFailed
     from whale_jax.loop.mirror import MirrorError, MirrorRefused
-    from whale_jax.loop.run import PREEMPTED_EXIT, Preempted, WhaleRun
+    from whale_jax.loop.run import PREEMPTED_EXIT, Preempted, run
 
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
 
@@ -300,8 +300,7 @@ def main(argv: list[str]) -> int:
         config = config_from_flags()
         init_hosts()
         enable_compilation_cache(F.compilation_cache_dir, config.run_dir)
-        run = WhaleRun(config)
-        summary = run.run(allow_config_change=F.allow_config_change)
+        summary = run(config, allow_config_change=F.allow_config_change)
     except (cfg.ConfigError, CheckpointMismatch, MirrorRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from harness.api import Budgets
-from harness.executor.verdicts import answer_sessions
 from harness.records import EpisodeRecord
 from harness.splits import split_by_hash
+from harness.verdicts import answer_sessions
 
 # Modules a harness may import in every domain: text handling and arithmetic, nothing that reaches
 # files, processes, the network or introspection.
@@ -88,7 +88,7 @@ class Domain:
 
     def score_completion(self, task: Task, text: str) -> float | None:
         """A conversation's own verdict, read from its last trained completion as the reference
-        reads a rollout's last assistant message (``harness.executor.verdicts``); None where the domain
+        reads a rollout's last assistant message (``harness.verdicts``); None where the domain
         cannot score a conversation alone."""
         return self.score(task, text, Env())[0] if self.answer_required else None
 

@@ -27,9 +27,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from harness import verdicts
 from harness.api import Budgets, ChatBackend, ChatRequest, ChatResult, RngKey, SamplingSettings
 from harness.domains.base import Domain, EpisodeContext, Task, ToolError
-from harness.executor import audits, verdicts
+from harness.executor import audits
 from harness.executor.ledger import Ledger, Refused, check_messages, check_settings, check_tools
 from harness.records import EpisodeRecord, ModelCallRecord, ToolCallRecord
 from harness.sandbox import ipc, jail, python_layer

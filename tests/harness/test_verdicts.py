@@ -1,5 +1,5 @@
 """Session verdicts through the real executor: a token is trained only when the verifier scored the
-conversation it belongs to above the threshold (harness.executor.verdicts, whale_jax.train.rows)."""
+conversation it belongs to above the threshold (harness.verdicts, whale_jax.train.rows)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 
 from whale_jax.loop import config as cfg
 from whale_jax.loop.metrics import read_metrics
-from whale_jax.loop.run import WhaleRun
+from whale_jax.loop.run import run
 from whale_jax.train.rsft import RSFTConfig
 from whale_jax.train.trainer import OptimConfig, TrainConfig
 
@@ -41,7 +41,7 @@ def test_whale_trains_searches_and_reports(tmp_path):
         progress=False,
     )  # fmt: skip
     cfg.validate(config)
-    summary = WhaleRun(config, log=lambda s: None).run()
+    summary = run(config, log=lambda s: None)
     lines = read_metrics(os.path.join(config.run_dir, "metrics.jsonl"))
     steps = [x for x in lines if x["kind"] == "rsft"]
     assert [x["step"] for x in steps] == [1, 2]

@@ -191,7 +191,7 @@ def test_every_method_runs_its_phase_sequence(tiny_model_dir, tmp_path, override
 _ALWAYS_DROP = """
 import sys
 from absl import app
-import whale_jax.loop.run as run
+import whale_jax.loop.build as build
 from whale_jax import main
 from whale_jax.compiled import MappingGuard
 
@@ -200,7 +200,7 @@ class AlwaysDrop(MappingGuard):
         self.trigger = -1
         return super().check()
 
-run.MappingGuard = AlwaysDrop
+build.MappingGuard = AlwaysDrop
 sys.argv = ["whale_jax.main", *sys.argv[1:]]
 app.run(main.main)
 """

@@ -1,4 +1,6 @@
-"""A harness phase across hosts: host 0 searches, the others wait for what it accepts.
+"""What the hosts of one job agree on: choices that lead into a collective (a save, stopping; at
+the end of this file), the harness every host starts from, and a harness phase across hosts: host
+0 searches, the others wait for what it accepts.
 
 A phase's work is the proposer (one LLM conversation: it must run once, or hosts would accept
 different harnesses) and the rollouts that score its candidates, which host 0 runs on its own
@@ -23,11 +25,21 @@ search across hosts as before.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import jax
+
+from harness.files import write_atomic
+from whale_jax.loop.config import ConfigError
 from whale_jax.loop.metrics import jsonable
+from whale_jax.loop.state import Preempted, emit, harness_source
+from whale_jax.sharding import process_gather_json, process_max
+
+if TYPE_CHECKING:
+    from whale_jax.loop.build import Run
 
 PREFIX = "whale_jax/phase-"
 
@@ -89,3 +101,60 @@ class PhaseBoard:
                 said = time.monotonic()
                 log(f"waiting for host 0's harness phase ({said - t0:.0f}s)")
             time.sleep(self.poll_s)
+
+
+# ---- what every host agrees on ---------------------------------------------------------------
+
+
+def agreed(flag: bool) -> bool:
+    """``flag`` or-ed over hosts. A choice that leads into a collective (a checkpoint save,
+    stopping) is made once, the same on every host: a host that went alone into Orbax's
+    barrier, or stopped while the others trained, would hang the job."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(process_max(int(bool(flag))))
+
+
+def check_term(run: Run) -> None:
+    if agreed(run.term_at is not None):  # every host stops at the same step
+        if run.term_at is None:  # another host was told first
+            run.term_at = time.monotonic()
+        raise Preempted()
+
+
+def sync_harness(run: Run) -> None:
+    """Every host takes host 0's current harness (a resumed host's own disk may lack the
+    accepted source a checkpoint refers to)."""
+    mine: dict[str, Any] = {}
+    if jax.process_index() == 0:
+        try:
+            mine = {"source": harness_source(run), "token": os.urandom(6).hex()}
+        except OSError as e:  # every host stops, none waits alone in a later collective
+            mine = {"error": f"{type(e).__name__}: {e}"}
+    got = process_gather_json(mine)[0]
+    if "error" in got:
+        raise ConfigError(f"host 0 cannot read its harness {run.state.harness['path']} "
+                          f"under its --run_dir: {got['error']}")  # fmt: skip
+    run.board_token = got["token"]  # this job's keys apart from any earlier run's
+    if jax.process_index() != 0:
+        write_atomic(os.path.join(run.root, run.state.harness["path"]), got["source"])
+
+
+def await_harness_phase(run: Run, index: int) -> None:
+    """A host other than 0: waits for host 0's phase and takes what it accepted."""
+    s = run.state
+    board = PhaseBoard(run.board_client, run.board_token, index, jax.process_index())
+    run.say(f"harness phase {index}: host 0 searches; waiting for its outcome")
+    out = board.wait(lambda: run.term_at is not None, log=run.say)
+    if out["status"] == "preempted":
+        if run.term_at is None:  # another host was told first
+            run.term_at = time.monotonic()
+        raise Preempted()
+    if out["status"] != "done":
+        raise PhaseFailed(f"harness phase {index} failed on host 0: {out.get('error')} "
+                          "(host 0's log has the rest)")  # fmt: skip
+    write_atomic(os.path.join(run.root, out["harness"]["path"]), out["source"])
+    s.harness = out["harness"]
+    for name, delta in out["counters"].items():  # the phase's cost, as counted on host 0
+        s.counters[name] = s.counters.get(name, 0) + delta
+    emit(run, "harness_phase", **out["line"])

@@ -8,11 +8,11 @@ results, user turns, template tokens and ``train=False`` calls (a verifier, a vo
 marked) are context only.
 
 A session is trained only when its verdict (``EpisodeRecord.sessions``, decided by the trusted
-``harness.executor.verdicts``) has a reward above the threshold: the trained tokens always belong to a
+``harness.verdicts``) has a reward above the threshold: the trained tokens always belong to a
 conversation the verifier scored. Emitted rows are counted by the verdict's origin
 (``rows_answer``, ``rows_verified``, ``rows_played``). ``session_outcomes`` counts every session
 with trained completions, passed or dropped, and why (``dropped_rejected``: scored at or below
-the threshold; ``dropped_unscored``, ``dropped_flagged``: see ``harness.executor.verdicts``;
+the threshold; ``dropped_unscored``, ``dropped_flagged``: see ``harness.verdicts``;
 ``dropped_unverified``: the record carries no verdict for it).
 
 Irregular input is counted, never raised and never silently dropped:

@@ -2,7 +2,7 @@
 
     tasks   = the next ``prompt_batch`` tasks of the weight-training split (``DataCursor``)
     records = n = ``samples`` episodes per task, the current harness driving the engine
-    kept    = episodes with a session whose verdict > ``reward_threshold`` (``harness.executor.verdicts``)
+    kept    = episodes with a session whose verdict > ``reward_threshold`` (``harness.verdicts``)
     rows    = ``rows_from_records(kept)``                (the trained tokens, decided once:
                                                            only sessions the verifier passed)
     for each minibatch of ``minibatch_episodes`` kept episodes: one optimizer update

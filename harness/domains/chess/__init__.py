@@ -32,9 +32,9 @@ from harness.domains.base import (
     data_files,
     split_tasks,
 )
-from harness.executor.verdicts import source_call
 from harness.records import EpisodeRecord
 from harness.splits import split_by_hash
+from harness.verdicts import source_call
 
 _UCI = re.compile(r"[a-h][1-8][a-h][1-8][qrbn]?")
 LICHESS_COLUMNS = ("PuzzleId", "FEN", "Moves", "Rating", "Themes")

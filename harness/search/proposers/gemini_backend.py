@@ -16,6 +16,7 @@ from typing import Any
 from google import genai
 from google.genai import errors, types
 
+from harness.endpoints import GEMINI_BASE_URL, api_key_from_env
 from harness.search.proposers.base import TOOL_SPECS, ProposeRequest
 from harness.search.proposers.llm import (
     Reply,
@@ -23,12 +24,9 @@ from harness.search.proposers.llm import (
     ToolCall,
     ToolLoopProposer,
     Verdict,
-    api_key_from_env,
     parse_retry_after,
     retryable_status,
 )
-
-DEFAULT_BASE_URL = "https://generativelanguage.googleapis.com/"
 
 
 def function_declarations() -> list[types.FunctionDeclaration]:
@@ -98,7 +96,7 @@ class GeminiProposer(ToolLoopProposer):
         super().__init__(max_turns=max_turns, timeout_s=timeout_s, max_retries=max_retries,
                          sleep=sleep, seed=seed)  # fmt: skip
         self.model = model
-        self.base_url = base_url or DEFAULT_BASE_URL
+        self.base_url = base_url or GEMINI_BASE_URL
         self.name = f"gemini:{model}"
         self._secret = api_key_from_env(api_key_env, self.base_url, self.name)
         # vertexai=False: a GOOGLE_GENAI_USE_VERTEXAI in the environment must not reroute us.

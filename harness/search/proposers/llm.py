@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import ipaddress
 import json
 import logging
-import os
 import random
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -41,15 +38,10 @@ log = logging.getLogger(__name__)
 MAX_RESULT_CHARS = 80_000
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
+
+
 # The placeholder key sent to a loopback server when the environment variable is unset (a local
 # vLLM or SGLang server usually runs without authentication).
-LOOPBACK_KEY = "no-key-loopback"
-
-
-class MissingAPIKeyError(RuntimeError):
-    """The environment variable that should hold a remote endpoint's API key is unset or empty."""
-
-
 class ReplyError(ValueError):
     """A model response the loop cannot use (no choices, no candidates, an unknown call type)."""
 
@@ -94,31 +86,6 @@ class Verdict:
     retryable: bool
     what: str  # a one-line description for logs and problem strings
     retry_after_s: float | None = None  # the server's hint, if it sent one
-
-
-def is_loopback(url: str) -> bool:
-    """Whether ``url`` points at this machine (localhost, 127.0.0.0/8, ::1)."""
-    host = urllib.parse.urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def api_key_from_env(env_name: str, base_url: str, proposer: str) -> str:
-    """The key in ``$env_name``; a placeholder for a loopback ``base_url`` if the variable is unset;
-    otherwise ``MissingAPIKeyError`` naming the variable."""
-    key = os.environ.get(env_name, "").strip()
-    if key:
-        return key
-    if is_loopback(base_url):
-        return LOOPBACK_KEY
-    raise MissingAPIKeyError(
-        f"{proposer}: the environment variable {env_name} is not set; it must hold the API key "
-        f"for {base_url} (or pass api_key_env=<the variable that does>)"
-    )
 
 
 def clip(result: Any, limit: int = MAX_RESULT_CHARS) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 
 import openai
 
+from harness.endpoints import OPENAI_BASE_URL, api_key_from_env
 from harness.search.proposers.base import TOOL_SPECS, ProposeRequest
 from harness.search.proposers.llm import (
     Reply,
@@ -20,14 +21,12 @@ from harness.search.proposers.llm import (
     ToolCall,
     ToolLoopProposer,
     Verdict,
-    api_key_from_env,
     parse_arguments,
     parse_retry_after,
     result_text,
     retryable_status,
 )
 
-DEFAULT_BASE_URL = "https://api.openai.com/v1"
 # The archive tools in the chat-completions ``tools`` format.
 OPENAI_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": spec} for spec in TOOL_SPECS]
 
@@ -64,7 +63,7 @@ class OpenAIProposer(ToolLoopProposer):
         super().__init__(max_turns=max_turns, timeout_s=timeout_s, max_retries=max_retries,
                          sleep=sleep, seed=seed)  # fmt: skip
         self.model = model
-        self.base_url = base_url or DEFAULT_BASE_URL
+        self.base_url = base_url or OPENAI_BASE_URL
         self.temperature = temperature
         self.name = f"openai:{model}"
         self._secret = api_key_from_env(api_key_env, self.base_url, self.name)

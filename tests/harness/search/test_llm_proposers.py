@@ -17,10 +17,11 @@ from typing import Any, Protocol
 
 import pytest
 
+from harness.endpoints import MissingAPIKeyError
 from harness.search.archive import Proposal
 from harness.search.proposers.base import TOOL_SPECS, ProposeRequest
 from harness.search.proposers.gemini_backend import GeminiProposer
-from harness.search.proposers.llm import MissingAPIKeyError, clip
+from harness.search.proposers.llm import clip
 from harness.search.proposers.openai_backend import OpenAIProposer
 
 KEY = "test-key-0123456789"
