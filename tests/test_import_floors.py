@@ -66,7 +66,9 @@ def room_of(module: str, path: str = "") -> str | None:
     if parts[0] == "whale_jax":
         sub = parts[1] if len(parts) > 1 else ""
         if not sub:
-            return "whale_jax.face"  # the package's __init__: re-exports, imported by nothing inside
+            return (
+                "whale_jax.face"  # the package's __init__: re-exports, imported by nothing inside
+            )
         if sub in PROGRAMS:
             return "whale_jax.programs"
         return f"whale_jax.{sub if sub in ROOMS['whale_jax'] else 'shared'}"
