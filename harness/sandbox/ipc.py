@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import os
 import socket
 import struct
@@ -36,10 +35,6 @@ def _text(limit: int = MAX_TEXT, optional: bool = False) -> Callable[[Any], bool
 
 def _int(lo: int, hi: int) -> Callable[[Any], bool]:
     return lambda v: type(v) is int and lo <= v <= hi
-
-
-def _real(v: Any) -> bool:
-    return type(v) in (int, float) and math.isfinite(v)
 
 
 def _bool(v: Any) -> bool:

@@ -23,7 +23,7 @@ def evaluate(run: Run, reason: str, *, candidate: tuple[str, str] | None = None,
     best scores are tracked, no checkpoint is written (nothing it would hold has changed)
     and the pair is not marked evaluated, so the phase's end evaluates on every host alike."""
     s, c = run.state, run.config
-    harness_id = candidate[0] if candidate else s.harness["id"]
+    harness_id = candidate[0] if candidate else s.harness.id
     key = [s.step, harness_id]
     if (candidate is None and s.last_eval == key) or not (c.eval.test or c.eval.validation):
         return None

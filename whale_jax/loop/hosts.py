@@ -35,7 +35,7 @@ import jax
 from harness.files import write_atomic
 from whale_jax.loop.config import ConfigError
 from whale_jax.loop.metrics import jsonable
-from whale_jax.loop.state import Preempted, emit, harness_source
+from whale_jax.loop.state import AcceptedHarness, Preempted, emit, harness_source
 from whale_jax.sharding import process_gather_json, process_max
 
 if TYPE_CHECKING:
@@ -133,11 +133,11 @@ def sync_harness(run: Run) -> None:
             mine = {"error": f"{type(e).__name__}: {e}"}
     got = process_gather_json(mine)[0]
     if "error" in got:
-        raise ConfigError(f"host 0 cannot read its harness {run.state.harness['path']} "
+        raise ConfigError(f"host 0 cannot read its harness {run.state.harness.path} "
                           f"under its --run_dir: {got['error']}")  # fmt: skip
     run.board_token = got["token"]  # this job's keys apart from any earlier run's
     if jax.process_index() != 0:
-        write_atomic(os.path.join(run.root, run.state.harness["path"]), got["source"])
+        write_atomic(os.path.join(run.root, run.state.harness.path), got["source"])
 
 
 def await_harness_phase(run: Run, index: int) -> None:
@@ -153,8 +153,8 @@ def await_harness_phase(run: Run, index: int) -> None:
     if out["status"] != "done":
         raise PhaseFailed(f"harness phase {index} failed on host 0: {out.get('error')} "
                           "(host 0's log has the rest)")  # fmt: skip
-    write_atomic(os.path.join(run.root, out["harness"]["path"]), out["source"])
-    s.harness = out["harness"]
+    s.harness = AcceptedHarness(**out["harness"])
+    write_atomic(os.path.join(run.root, s.harness.path), out["source"])
     for name, delta in out["counters"].items():  # the phase's cost, as counted on host 0
         s.counters[name] = s.counters.get(name, 0) + delta
     emit(run, "harness_phase", **out["line"])

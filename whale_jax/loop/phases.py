@@ -18,7 +18,7 @@ from whale_jax.loop.evaluate import evaluate
 from whale_jax.loop.hosts import await_harness_phase, check_term
 from whale_jax.loop.metrics import Progress
 from whale_jax.loop.saving import maybe_save, push_mirror
-from whale_jax.loop.state import Preempted, emit, harness_source
+from whale_jax.loop.state import AcceptedHarness, Preempted, emit, harness_source
 from whale_jax.train.rsft import rsft_step
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def harness_phase(run: Run) -> None:
     try:
         line = search(run, index, board)
         board.publish({
-            "status": "done", "harness": s.harness, "source": harness_source(run),
+            "status": "done", "harness": dataclasses.asdict(s.harness), "source": harness_source(run),
             "counters": {k: v - before.get(k, 0) for k, v in s.counters.items()},
             "line": line,
         })  # fmt: skip
@@ -126,7 +126,7 @@ def search(run: Run, index: int, board) -> dict[str, Any]:
         """Stagewise: the test score of the frontier's top after each iteration, so the
         best point (E*, I*) can be read off (evaluated again only when the top changes)."""
         name = os.path.basename(phase.phase.root)
-        top_id = s.harness["id"] if top.name == "incoming" else f"{name}/{top.name}"
+        top_id = s.harness.id if top.name == "incoming" else f"{name}/{top.name}"
         if top_id not in evaluated:
             evaluated.add(top_id)
             evaluate(run, "search", candidate=(top_id, top.source), iteration=iteration)
@@ -167,9 +167,10 @@ def search(run: Run, index: int, board) -> dict[str, Any]:
     s.counters["proposer_tokens"] += run.proposer.tokens - tokens0
     name = os.path.basename(phase.phase.root)
     if result.accepted.source != phase_source:  # the incoming harness keeps its id
-        s.harness = {"id": f"{name}/{result.accepted.name}",
-                     "path": os.path.join("archive", name, "accepted.py")}  # fmt: skip
-    line = dict(phase=index, accepted=s.harness["id"],
+        s.harness = AcceptedHarness(
+            id=f"{name}/{result.accepted.name}", path=os.path.join("archive", name, "accepted.py")
+        )
+    line = dict(phase=index, accepted=s.harness.id,
                 success_rate=result.accepted.summary["success_rate"],
                 mean_turns=result.accepted.summary["mean_turns"], frontier=result.frontier,
                 candidates=len(cands), valid=sum(1 for x in cands if x.valid),

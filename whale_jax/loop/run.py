@@ -24,6 +24,7 @@ resumes from its archive without re-evaluating finished candidates.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -123,7 +124,7 @@ def finish(r: Run) -> dict[str, Any]:
         "steps": r.state.step,
         "phases": r.state.phases,
         "cost": r.state.counters,
-        "harness": r.state.harness,
+        "harness": dataclasses.asdict(r.state.harness),
     }
     write_json(os.path.join(r.root, "summary.json"), summary)
     # Across hosts only host 0's archive holds the search's candidates: its report alone.

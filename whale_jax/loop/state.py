@@ -37,6 +37,15 @@ class Preempted(Exception):
     """SIGTERM arrived; the run saved what it could and stops."""
 
 
+@dataclasses.dataclass(frozen=True)
+class AcceptedHarness:
+    """The harness the run uses now: its id (``h0``, an initial file's name, or
+    ``phase-NNN/<candidate>``) and the path of its source under the run directory."""
+
+    id: str
+    path: str
+
+
 @dataclasses.dataclass
 class LoopState:
     """Everything the loop needs to continue, checkpointed as JSON beside the weights."""
@@ -49,7 +58,7 @@ class LoopState:
     phase: str | None = None  # the phase in progress (or next to start)
     phase_start: int = 0  # RSFT step at which the current weight phase began
     phase_rewards: list[float] = dataclasses.field(default_factory=list)  # its steps' rewards
-    harness: dict[str, Any] = dataclasses.field(default_factory=dict)  # accepted: id, path
+    harness: AcceptedHarness | None = None  # set as the run starts
     cursor: dict[str, int] = dataclasses.field(default_factory=dict)
     counters: dict[str, float] = dataclasses.field(
         default_factory=lambda: dict.fromkeys(COUNTERS, 0)
@@ -68,7 +77,10 @@ class LoopState:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LoopState:
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in fields})
+        kept = {k: v for k, v in d.items() if k in fields}
+        if kept.get("harness"):
+            kept["harness"] = AcceptedHarness(**kept["harness"])
+        return cls(**kept)
 
 
 def emit(run: Run, kind: str, **fields: Any) -> dict[str, Any]:
@@ -78,7 +90,7 @@ def emit(run: Run, kind: str, **fields: Any) -> dict[str, Any]:
         run.domain_costs[name] = value
     wall = s.wall_s + time.monotonic() - run.t_start
     record = {"kind": kind, "step": s.step, "epoch": round(run.cursor.epochs_done(len(run.data.train)), 6),
-              "harness": s.harness.get("id"), "time": round(time.time(), 3), "wall_s": round(wall, 3),
+              "harness": s.harness.id if s.harness else None, "time": round(time.time(), 3), "wall_s": round(wall, 3),
               "cost": dict(s.counters), **fields}  # fmt: skip
     run.metrics.write(record)
     s.metrics_lines = run.metrics.lines
@@ -155,7 +167,7 @@ def write_config(run: Run, config_hash_: str) -> None:
                                      "checkpoint_dir": run.config.checkpoint_dir})  # fmt: skip
 
 
-def initial_harness(run: Run) -> dict[str, Any]:
+def initial_harness(run: Run) -> AcceptedHarness:
     path = run.config.initial_harness
     if path:  # its existence was checked with the flags
         with open(path, encoding="utf-8") as f:
@@ -165,7 +177,7 @@ def initial_harness(run: Run) -> dict[str, Any]:
         source, name = run.data.domain.seed_harness(), "h0"
     rel = os.path.join("archive", "initial.py")
     write_atomic(os.path.join(run.root, rel), source)
-    return {"id": name, "path": rel}
+    return AcceptedHarness(id=name, path=rel)
 
 
 def discard_phases_after(run: Run, keep: int) -> None:
@@ -181,5 +193,5 @@ def discard_phases_after(run: Run, keep: int) -> None:
 
 
 def harness_source(run: Run) -> str:
-    with open(os.path.join(run.root, run.state.harness["path"]), encoding="utf-8") as f:
+    with open(os.path.join(run.root, run.state.harness.path), encoding="utf-8") as f:
         return f.read()

@@ -37,7 +37,6 @@ from harness.splits import split_by_hash
 from harness.verdicts import source_call
 
 _UCI = re.compile(r"[a-h][1-8][a-h][1-8][qrbn]?")
-LICHESS_COLUMNS = ("PuzzleId", "FEN", "Moves", "Rating", "Themes")
 
 
 def _puzzle_task(pid: str, fen: str, moves: list[str], meta: dict[str, Any], source: str) -> Task:

@@ -80,12 +80,6 @@ def prompt_catalogue(domain: str) -> list[Variant]:
     return recipes_of(domain).prompt_catalogue()
 
 
-def recipe_ids(domain: str, recipe: dict[str, Any]) -> list[str]:
-    """The variant ids a recipe is made of (code variants, then prompt edits in order)."""
-    ids = [v.id for v in catalogue(domain) if recipe.get(v.mechanism) == v.value]
-    return ids + list(recipe.get("prompts", []))
-
-
 def valid_recipe(domain: str, recipe: Any) -> bool:
     """A recipe this version can render: known mechanisms at known settings."""
     if not isinstance(recipe, dict):
