@@ -22,8 +22,12 @@ $(TORCH_STAMP): $(STAMP)
 
 setup: $(STAMP)
 
+# Two test processes (pytest-xdist), a file's tests in one of them (its module fixtures built
+# once); each takes ~5 GB at its peak. TEST_WORKERS=0 runs the suite in this process alone.
+TEST_WORKERS ?= 2
+
 test: $(TORCH_STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-all: $(TORCH_STAMP)
 	$(PY) -m pytest -q -m ''

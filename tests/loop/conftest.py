@@ -37,8 +37,17 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+def shared_compile_cache(model: str) -> str:
+    """The persistent compilation cache that every run of ``model`` in a session shares. A run's
+    own cache (``<run_dir>/compile_cache``, the default) would start empty: each run would compile
+    its engine and train steps again (about a third of a small run). Programs are keyed by their
+    HLO, so a loaded one is the one this run would have compiled."""
+    return model.rstrip("/") + "-compile_cache"
+
+
 def small_run_flags(run_dir: str, model: str, **overrides) -> list[str]:
-    """A whole WHALE run in seconds: W(2 steps) H(2 iterations) W(2 steps) on arith."""
+    """A whole WHALE run in seconds: W(2 steps) H(2 iterations) W(2 steps) on arith. Pass
+    ``compilation_cache_dir=""`` for the run's own cache in place of the shared one."""
     flags = {
         "run_dir": run_dir, "model": model, "domain": "arith", "method": "whale",
         "train_size": 8, "prompt_batch": 4, "samples": 2, "minibatch_episodes": 4,
@@ -47,6 +56,7 @@ def small_run_flags(run_dir: str, model: str, **overrides) -> list[str]:
         "eval_every_epochs": 0.5, "engine_slots": 8, "max_len": 128, "max_new_tokens": 8,
         "seq_len": 128, "micro_tokens": 512, "remat": "false", "lr": 1e-4,
         "checkpoint_every_steps": 1, "checkpoint_keep": 2, "progress": "false",
+        "compilation_cache_dir": shared_compile_cache(model),
     }  # fmt: skip
     flags.update(overrides)
     return [f"--{k}={v}" for k, v in flags.items()]

