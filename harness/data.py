@@ -23,8 +23,15 @@ class BadRow:
 
 
 class DataError(ValueError):
-    def __init__(self, bad: list[BadRow]):
-        self.bad = bad
+    """Bad or missing input data: a message naming the file, the flag or the key at fault, or the
+    bad rows (``bad``), each with its file, row and column."""
+
+    def __init__(self, bad: list[BadRow] | str):
+        if isinstance(bad, str):
+            self.bad: list[BadRow] = []
+            super().__init__(bad)
+            return
+        self.bad = list(bad)
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
         super().__init__("; ".join(str(b) for b in bad[:5]) + more)
 
@@ -58,14 +65,22 @@ def read_rows(
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow's own types (ArrowInvalid, ...) for a truncated file
+            raise DataError(
+                f"{path}: not a readable parquet file ({type(e).__name__}: {e})"
+            ) from None
         columns = set(table.column_names)
         rows: Iterator[dict[str, Any]] = iter(table.to_pylist())
     elif path.endswith((".jsonl", ".json")):
         with open(path, encoding="utf-8") as f:
             text = f.read()
         if path.endswith(".json") and text.lstrip().startswith("["):
-            data = json.loads(text)
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: not JSON ({e})") from None
         else:
             data = []
             for i, line in enumerate(text.splitlines()):

@@ -11,6 +11,9 @@ import urllib.parse
 OPENAI_BASE_URL = "https://api.openai.com/v1"
 GEMINI_BASE_URL = "https://generativelanguage.googleapis.com/"
 LOOPBACK_KEY = "no-key-loopback"
+# Each provider's default address and the variable its key is read from (a flag may name another).
+BASE_URLS = {"openai": OPENAI_BASE_URL, "gemini": GEMINI_BASE_URL}
+KEY_ENVS = {"openai": "OPENAI_API_KEY", "gemini": "GEMINI_API_KEY"}
 
 
 class MissingAPIKeyError(RuntimeError):

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from harness.endpoints import GEMINI_BASE_URL, OPENAI_BASE_URL, api_key_from_env
+from harness.endpoints import GEMINI_BASE_URL, KEY_ENVS, OPENAI_BASE_URL, api_key_from_env
 
 JUDGES = ("openai", "gemini")
 ATTEMPTS = 3
@@ -52,7 +52,7 @@ class LLMJudge:
             import openai
 
             url = base_url or OPENAI_BASE_URL
-            key = api_key_from_env(api_key_env or "OPENAI_API_KEY", url, self.name)
+            key = api_key_from_env(api_key_env or KEY_ENVS["openai"], url, self.name)
             client = openai.OpenAI(api_key=key, base_url=url, timeout=timeout_s, max_retries=0)
 
             def ask(prompt: str) -> tuple[str, int]:
@@ -67,7 +67,7 @@ class LLMJudge:
             from google.genai import types
 
             url = base_url or GEMINI_BASE_URL
-            key = api_key_from_env(api_key_env or "GEMINI_API_KEY", url, self.name)
+            key = api_key_from_env(api_key_env or KEY_ENVS["gemini"], url, self.name)
             client = genai.Client(
                 vertexai=False, api_key=key,
                 http_options=types.HttpOptions(base_url=url, timeout=int(timeout_s * 1000)),

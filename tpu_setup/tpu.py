@@ -151,9 +151,24 @@ def repo_archive(repo: str, out: str) -> None:
     subprocess.run(["git", "-C", repo, "archive", "--format=tar.gz", "-o", out, "HEAD"], check=True)
 
 
+# A venv on Python >= 3.11: the one there if it is, else one made from the first such Python on
+# the host, else (the TPU base images are Ubuntu 22.04, Python 3.10) from a standalone CPython
+# 3.11 that uv installs for this user.
+_NEW_ENOUGH = "-c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null"
+MAKE_VENV = (
+    f"if ! {{ [ -x .venv/bin/python ] && .venv/bin/python {_NEW_ENOUGH}; }}; then "
+    "PY=; for p in python3.13 python3.12 python3.11 python3; do command -v $p >/dev/null && "
+    f"$p {_NEW_ENOUGH} && {{ PY=$(command -v $p); break; }}; done; "
+    'if [ -z "$PY" ]; then python3 -m pip install -q --user uv && '
+    "~/.local/bin/uv python install 3.11 && PY=$(~/.local/bin/uv python find 3.11); fi; "
+    'rm -rf .venv && "$PY" -m venv .venv; fi'
+)
+
+
 def install(cloud: Cloud, repo: str) -> None:
-    """The project onto every host: a fresh venv with the project, jax[tpu] and gcsfs (Orbax's
-    gs:// path layer). Idempotent: a host already installed is installed again over it."""
+    """The project onto every host: a venv (Python 3.11 or newer: ``MAKE_VENV``) with the
+    project, jax[tpu] and gcsfs (Orbax's gs:// path layer). Idempotent: a host already installed
+    is installed again over it."""
     with tempfile.TemporaryDirectory() as tmp:
         tarball = os.path.join(tmp, "whale_jax.tar.gz")
         repo_archive(repo, tarball)
@@ -164,7 +179,7 @@ def install(cloud: Cloud, repo: str) -> None:
         # The code is replaced whole (files deleted since are gone); runs, venv and .env stay.
         f"set -e; mkdir -p {d} && find {d} -mindepth 1 -maxdepth 1 ! -name runs ! -name .venv "
         f"! -name .env -exec rm -rf {{}} + && tar -xzf whale_jax.tar.gz -C {d} && cd {d} && "
-        "python3 -m venv .venv && .venv/bin/pip install -q --upgrade pip && "
+        f"{MAKE_VENV} && .venv/bin/pip install -q --upgrade pip && "
         ".venv/bin/pip install -q -e . 'jax[tpu]' gcsfs && touch .installed"
     )
 

@@ -1,14 +1,19 @@
 """The WHALE run: ``python -m whale_jax.main --flagfile=experiments/math.flags``.
 
 Flags exist only here: they become one frozen ``RunConfig`` (whale_jax/loop/config.py), checked
-as a whole before any work starts, and the loop (whale_jax/loop/run.py) takes it from there.
-Rerunning the same command on the same --run_dir resumes from its last complete checkpoint.
-``--helpfull`` lists every flag; experiments/README.md and docs/loop.md explain them.
+as a whole (each numeric flag against its range as it is parsed), then everything the run needs is
+tried before the model loads (whale_jax/loop/preflight.py; ``--dry_run`` stops there), and the
+loop (whale_jax/loop/run.py) takes it from there. Rerunning the same command on the same
+--run_dir resumes from its last complete checkpoint. ``--helpfull`` lists every flag;
+experiments/README.md and docs/loop.md explain them.
 
-Exit status: 0 done, 1 unknown or malformed flag (absl names it) or the run directory's mirror
-could not be written (rerun to resume), 2 bad values, contradictions,
-missing data or a foreign checkpoint (the message names the flag or file), 143 stopped by SIGTERM
-(preemption; rerun the same command to resume).
+Exit status: 0 done (or the dry run passed); 2 bad input, before any work: an unknown or
+malformed flag, a value out of range, contradictions, missing or malformed data, model files, API
+keys, an initial harness that fails its checks, a directory that cannot be written, an
+unreachable retrieval server, a sandbox mode this machine refuses, a foreign checkpoint (the
+message names the flag or file and the fix); 1 the run failed while working (a checkpoint save,
+the run directory's mirror, a host: the last complete checkpoint stands, rerun to resume); 143
+stopped by SIGTERM (preemption; rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -35,14 +40,18 @@ flags.DEFINE_integer("num_processes", 1, "Processes in the job (with --coordinat
 flags.DEFINE_integer("process_id", 0, "This process's index, 0 .. --num_processes - 1.")
 flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() with the cluster's "
                   "own description (SLURM, Open MPI, TPU pods, GKE) instead of the three flags.")  # fmt: skip
+flags.DEFINE_bool("dry_run", False, "Check everything the run needs (flags, directories, data, "
+                  "model files, API keys, the initial harness in the sandbox, the retrieval "
+                  "server), print the plan, and exit without loading the model.")  # fmt: skip
 flags.DEFINE_bool("allow_config_change", False, "Resume even if the config differs from the "
                   "checkpoint's (the differences are logged).")  # fmt: skip
 # Data.
 flags.DEFINE_string("domain", "arith", "Task domain: a folder of harness/domains (arith, math, "
                     "searchqa, chess) or of --domain_dir.")  # fmt: skip
 flags.DEFINE_string("domain_dir", "", "A directory of your own domain folders (docs/domains.md).")
-flags.DEFINE_string("data_dir", "", "Real data fetched by `python -m whale_jax.fetch_data` "
-                    "(empty: the domain's offline tasks).")  # fmt: skip
+flags.DEFINE_string("data_dir", "", "Real data fetched by `python -m whale_jax.fetch_data`, "
+                    "a local directory or gs://bucket/path (staged to this host's disk first; "
+                    "empty: the domain's offline tasks).")  # fmt: skip
 flags.DEFINE_integer("split_seed", 0, "Seed of the disjoint splits (keyed hash of each task).")
 flags.DEFINE_integer("train_size", 0, "Weight-training tasks (0: all that remain).")
 flags.DEFINE_integer("search_size", 256, "Harness-search split size (the paper: 256).")
@@ -152,7 +161,8 @@ flags.DEFINE_string("run_dir_mirror", "", "Keep a copy of the run directory here
                     "that lost its disk resumes with the same command (docs/loop.md).")  # fmt: skip
 flags.DEFINE_integer("checkpoint_keep", 2, "Checkpoints kept: the last N plus validation-best.")
 flags.DEFINE_integer("checkpoint_every_steps", 0, "Also save every N RSFT steps (0: off).")
-flags.DEFINE_float("checkpoint_every_minutes", 30.0, "Also save after this long since the last.")
+flags.DEFINE_float("checkpoint_every_minutes", 30.0, "Also save after this long since the last "
+                  "(0: off).")  # fmt: skip
 flags.DEFINE_float("preemption_grace_s", 25.0, "On SIGTERM, save only if a save (as long as "
                    "the last one took) fits in what is left of this grace.")  # fmt: skip
 flags.DEFINE_string("compilation_cache_dir", "", "JAX's persistent compilation cache: a resumed "
@@ -161,6 +171,28 @@ flags.DEFINE_string("compilation_cache_dir", "", "JAX's persistent compilation c
 flags.DEFINE_bool("report", True, "Write the Markdown + PNG report at the end.")
 flags.DEFINE_bool("tensorboard", True, "Write TensorBoard event files.")
 flags.DEFINE_bool("progress", True, "Progress bars on stderr.")
+
+
+# Every numeric flag's range (whale_jax/loop/config.py, RANGES), checked as the flags are parsed.
+for _flag, _range in cfg.RANGES.items():
+    flags.register_validator(_flag, _range.ok, message=_range.describe())
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parse, with bad input ending in exit 2 (as every other bad input does), and
+    ``--only_check_args`` checking the whole config before absl exits 0."""
+    try:
+        args = F(argv)
+    except flags.Error as e:
+        print(f"error: {e}\nPass --helpfull to see every flag.", file=sys.stderr)
+        sys.exit(2)
+    if F["only_check_args"].value:
+        try:
+            config_from_flags()
+        except cfg.ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+    return args
 
 
 def config_from_flags(f=F) -> cfg.RunConfig:
@@ -177,6 +209,10 @@ def config_from_flags(f=F) -> cfg.RunConfig:
         except ValueError as e:
             raise cfg.ConfigError(f"{e} (flags: {', '.join('--' + x for x in flags_)})") from None
 
+    for flag in cfg.RANGES:  # before the parts' own configs check their fields
+        problem = cfg.range_error(flag, f[flag].value)
+        if problem:
+            raise cfg.ConfigError(problem)
     run_dir = f.run_dir or f"runs/{f.domain}-{f.method}-seed{f.seed}"
     # The flags of each part whose own config checks its values (named in its errors).
     rsft_flags = ("prompt_batch", "samples", "reward_threshold", "minibatch_episodes")
@@ -214,7 +250,7 @@ def config_from_flags(f=F) -> cfg.RunConfig:
             seq_len=f.seq_len, micro_tokens=f.micro_tokens, compute_dtype=f.compute_dtype,
             remat=f.remat)),
         search=built(search_flags, lambda: SearchConfig(
-            iterations=max(f.harness_iterations, 1), slots=f.slots, samples=f.search_samples,
+            iterations=f.harness_iterations, slots=f.slots, samples=f.search_samples,
             require_significant=f.require_significant, cost=f.search_cost,
             validation=ValidationConfig(audit_tasks=f.audit_tasks),
             schedule=f.schedule, min_proposals=f.search_min_proposals,
@@ -289,15 +325,18 @@ def main(argv: list[str]) -> int:
         return 2
     from absl import logging
 
-    from whale_jax.loop.checkpoint import CheckpointMismatch
+    from whale_jax.loop.checkpoint import CheckpointMismatch, SaveFailed
     from whale_jax.loop.hosts import PhaseFailed
     from whale_jax.loop.mirror import MirrorError, MirrorRefused
+    from whale_jax.loop.preflight import preflight
     from whale_jax.loop.run import PREEMPTED_EXIT, Preempted, run
 
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save step at INFO
 
     try:
         config = config_from_flags()
+        if F.dry_run:
+            return dry_run(config, preflight)
         init_hosts()
         enable_compilation_cache(F.compilation_cache_dir, config.run_dir)
         summary = run(config, allow_config_change=F.allow_config_change)
@@ -310,7 +349,34 @@ def main(argv: list[str]) -> int:
     except Preempted:
         print("stopped by SIGTERM; rerun the same command to resume", file=sys.stderr)
         return PREEMPTED_EXIT
+    except SaveFailed as e:
+        print(f"error: {e}; the saves before it stand, rerun to resume from the last one",
+              file=sys.stderr)  # fmt: skip
+        # Orbax's threads of the failed save wait for its signals forever: an exit that joins
+        # them would never end (and a supervisor would see a run that is not running).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     _print_summary(summary)
+    return 0
+
+
+def dry_run(config: cfg.RunConfig, preflight) -> int:
+    """The preflight alone: what it checked and the plan, then exit 0 (a failure raised)."""
+    from whale_jax.loop.schedule import phase_list
+
+    checked = preflight(config)
+    print("dry run: every check passed; nothing was written and the model was not loaded")
+    for line in checked.lines:
+        print(f"  {line}")
+    phases = phase_list(checked.plan)
+    if phases is None:
+        print("  phases: weight and harness phases alternate; the adaptive schedule decides "
+              "their lengths as the run goes")  # fmt: skip
+    else:
+        unit = {"weight": "steps", "harness": "iterations"}
+        print("  phases: " + ", ".join(f"{kind} {n} {unit.get(kind, '')}".rstrip()
+                                       for kind, n in phases))  # fmt: skip
     return 0
 
 
@@ -336,4 +402,4 @@ def _print_summary(summary: dict) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

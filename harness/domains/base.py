@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from harness.api import Budgets
+from harness.data import DataError
 from harness.records import EpisodeRecord
 from harness.splits import split_by_hash
 from harness.verdicts import answer_sessions
@@ -113,6 +114,11 @@ class Domain:
         folder = Path(sys.modules[type(self).__module__].__file__ or "").parent
         return (folder / "h0.py").read_text(encoding="utf-8")
 
+    def check(self) -> list[str]:
+        """What the domain needs at run time besides its tasks (a retrieval server, say), tried
+        before the model loads: one line per check passed; DataError naming the flag at fault."""
+        return []
+
     def costs(self) -> dict[str, int]:
         """Monotone counters of what scoring spent outside the model (searchqa's judge calls and
         tokens); the run adds them to its costs."""
@@ -125,10 +131,6 @@ class Domain:
 
 
 # ---- data: what a domain folder's ``load`` works with ------------------------------------------
-
-
-class DataError(ValueError):
-    """Bad or missing input data: the message names the file, the flag or the key at fault."""
 
 
 class DataSpec(Protocol):

@@ -9,6 +9,6 @@ Scoring each conversation (``harness.verdicts``) sits beside the records it read
 it too.
 """
 
-from harness.executor.loop import Executor, ExecutorConfig
+from harness.executor.loop import Executor, ExecutorConfig, load_check
 
-__all__ = ["Executor", "ExecutorConfig"]
+__all__ = ["Executor", "ExecutorConfig", "load_check"]

@@ -24,7 +24,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from harness import verdicts
@@ -34,10 +34,10 @@ from harness.executor import audits
 from harness.executor.ledger import Ledger, Refused, check_messages, check_settings, check_tools
 from harness.records import EpisodeRecord, ModelCallRecord, ToolCallRecord
 from harness.sandbox import ipc, jail, python_layer
-from harness.sandbox.static_check import check_source
+from harness.sandbox.static_check import StaticCheckError, check_source
 from harness.sandbox.supervisor import LoadError, SandboxUnavailable, Zygote
 
-__all__ = ["Executor", "ExecutorConfig", "SandboxUnavailable"]
+__all__ = ["Executor", "ExecutorConfig", "SandboxUnavailable", "load_check"]
 
 _MAX_ZYGOTE_RESTARTS = 3
 _FAILURES = frozenset(
@@ -104,6 +104,50 @@ class _Ep:
         self.waiting = 0
         self.started = self.busy_since = time.monotonic()
         self.exit_reason, self.eof_at = None, None
+
+
+def harness_zygote(
+    cfg: ExecutorConfig,
+    source: str,
+    domain: Domain,
+    on_event: Callable[[str, dict[str, Any]], None],
+) -> Zygote:
+    """The sandboxed process tree that loads ``source`` and forks one process per episode."""
+    return Zygote(
+        "harness",
+        policy=cfg.sandbox,
+        limits=cfg.limits,
+        max_children=cfg.concurrency,
+        on_event=on_event,
+        source=source,
+        allowed_imports=tuple(domain.allowed_imports),
+        tools=tuple(domain.tool_names),
+        python_layers=cfg.python_layers,
+        max_frame_bytes=cfg.max_frame_bytes,
+    )
+
+
+def python_layers(cfg: ExecutorConfig) -> str:
+    if cfg.python_layers:
+        return "static check, audit hook, restricted builtins, module facades"
+    return "off (test switch)"
+
+
+def load_check(source: str, domain: Domain, config: ExecutorConfig | None = None) -> dict[str, str]:
+    """Loads ``source`` as a run would (the static check, then the sandbox's zygote) and runs no
+    episode; returns the protections the sandbox applied (layer: how). Raises
+    ``StaticCheckError``, ``SandboxUnavailable`` (the machine refuses the policy), ``LoadError``
+    (the harness fails to load) or ``TimeoutError``."""
+    cfg = config or ExecutorConfig()
+    if cfg.python_layers:
+        violations = check_source(source, allowed_imports=domain.allowed_imports)
+        if violations:
+            raise StaticCheckError(violations)
+    z = harness_zygote(cfg, source, domain, lambda kind, msg: None)
+    try:
+        return {**z.wait_ready(cfg.load_timeout_s), "python_layers": python_layers(cfg)}
+    finally:
+        z.close()
 
 
 class Executor:
@@ -205,21 +249,10 @@ class _Run:
 
     def new_zygote(self) -> bool:
         """Start the run's zygote and wait for its load check; False when the candidate failed."""
-        z = Zygote(
-            "harness",
-            policy=self.cfg.sandbox,
-            limits=self.cfg.limits,
-            max_children=self.cfg.concurrency,
-            on_event=lambda kind, msg: self.events.put((z, kind, msg)),
-            source=self.source,
-            allowed_imports=tuple(self.domain.allowed_imports),
-            tools=tuple(self.domain.tool_names),
-            python_layers=self.cfg.python_layers,
-            max_frame_bytes=self.cfg.max_frame_bytes,
-        )
+        z = harness_zygote(self.cfg, self.source, self.domain,
+                           lambda kind, msg: self.events.put((z, kind, msg)))  # fmt: skip
         self.zygote = z
-        layers = ("static check, audit hook, restricted builtins, module facades"
-                  if self.cfg.python_layers else "off (test switch)")  # fmt: skip
+        layers = python_layers(self.cfg)
         try:
             self.protections = {**z.wait_ready(self.cfg.load_timeout_s), "python_layers": layers}
         except LoadError as e:

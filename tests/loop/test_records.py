@@ -94,7 +94,7 @@ def test_config_hash_ignores_operational_fields_only():
     ],
 )  # fmt: skip
 def test_contradictions_name_the_flag(change, flag):
-    with pytest.raises(cfg.ConfigError, match=f"^{flag}:"):
+    with pytest.raises(cfg.ConfigError, match=f"^{flag}[=:]"):
         cfg.validate(change(cfg.RunConfig()))
 
 

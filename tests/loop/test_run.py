@@ -52,7 +52,8 @@ def wait_for_lines(proc: subprocess.Popen, run_dir: str, n: int, timeout: float 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, tiny_model_dir):
     run_dir = str(tmp_path_factory.mktemp("baseline") / "run")
-    done = run_main(small_run_flags(run_dir, tiny_model_dir))
+    # The default compilation cache, the run's own (test_a_whole_run checks it is written).
+    done = run_main(small_run_flags(run_dir, tiny_model_dir, compilation_cache_dir=""))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run_dir, done.stdout
 
@@ -219,3 +220,56 @@ def test_dropping_compiled_programs_mid_run_changes_no_result(baseline, tiny_mod
         if a["kind"] in ("eval", "rsft"):
             for key in ("test", "validation", "loss", "kept", "mean_reward"):
                 assert a.get(key) == b.get(key), (a["kind"], a["step"], key)
+
+
+def test_the_trained_weights_export_as_an_hf_checkpoint(tiny_model_dir, tmp_path):
+    import numpy as np
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import assert_close_to_scale
+    from whale_jax.export import ExportError, export
+
+    # Four RSFT steps that train every episode (a random model earns no reward to keep).
+    run_dir = str(tmp_path / "run")
+    done = run_main(small_run_flags(run_dir, tiny_model_dir, method="weight-only",
+                                    reward_threshold=-1))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "hf"
+    wrote = export(run_dir, str(out), which="last", log=lambda s: None)
+    assert wrote["step"] == 4 and (out / "config.json").exists()
+    # The trained weights: the checkpoint's, not the base model's.
+    exported = load_file(out / "model.safetensors")
+    base = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    assert exported.keys() == base.keys()
+    moved = [k for k in base if not np.array_equal(exported[k], base[k])]
+    assert moved, "no weight differs from the base model's"
+    # transformers loads the directory, tokenizer included, and its logits are ours on the
+    # exported weights: fp32 both ways, reordered sums, 1e-4 of the logits' scale.
+    from whale_jax import load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    ids = tokenizer("What is 12 + 30? Answer: 42")["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([ids])).logits.numpy()
+    ours = np.asarray(load_model(str(out)).model(np.asarray([ids], np.int32)))
+    assert_close_to_scale(ours, theirs, 1e-4, "exported logits")
+    # The validation-best checkpoint is the other choice: here the best validation score is the
+    # start's (a random model scores 0 throughout), which no checkpoint holds.
+    with pytest.raises(ExportError, match="no validation-best checkpoint"):
+        export(run_dir, str(tmp_path / "best"), which="best", log=lambda s: None)
+    assert not (tmp_path / "best").exists()
+    # A used --out is refused, not mixed.
+    with pytest.raises(ExportError, match="--out="):
+        export(run_dir, str(out), log=lambda s: None)
+
+
+def test_export_names_a_bad_run_dir_with_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "whale_jax.export", f"--run_dir={tmp_path}",
+                           f"--out={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"--run_dir={tmp_path}: no config.json" in done.stderr
+    assert not (tmp_path / "out").exists()

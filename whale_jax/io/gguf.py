@@ -297,6 +297,17 @@ def read_gguf_metadata(path: str | pathlib.Path) -> dict[str, Any]:
     return metadata
 
 
+def read_gguf_config(path: str | pathlib.Path) -> dict[str, Any]:
+    """The HF-style config of a GGUF file from its header alone (no tensor data is read)."""
+    path, handle, mapped = _open(path)
+    try:
+        metadata, infos, _ = _parse_header(mapped, path)
+        return _llama_config(metadata, infos, path)
+    finally:
+        mapped.close()
+        handle.close()
+
+
 def _dequantize(
     mapped: Any, data_start: int, info: _TensorInfo, path: pathlib.Path
 ) -> tuple[np.ndarray, str]:

@@ -53,7 +53,9 @@ def source_of(model: Transformer) -> Source:
     return _SOURCES[id(model)]
 
 
-def _resolve(spec: str) -> Path:
+def resolve_model(spec: str) -> Path:
+    """The file or directory a model spec names: a path, the bundled offline model, or a hub
+    id (downloaded: config, weights and tokenizer files)."""
     path = Path(spec).expanduser()
     if path.exists():
         return path
@@ -61,16 +63,85 @@ def _resolve(spec: str) -> Path:
         from whale_jax.io.gguf import find_smollm2_gguf
 
         return find_smollm2_gguf()
-    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+    if _is_hub_id(spec):
         from huggingface_hub import snapshot_download
 
         log.info("downloading %s from the Hugging Face hub", spec)
         patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "vocab*", "merges*"]
         return Path(snapshot_download(spec, allow_patterns=patterns))
-    raise FileNotFoundError(
+    raise _not_found(spec)
+
+
+def _is_hub_id(spec: str) -> bool:
+    return spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+
+
+def _not_found(spec: str) -> FileNotFoundError:
+    return FileNotFoundError(
         f"model spec {spec!r}: no such file or directory, not an offline model "
         f"({', '.join(OFFLINE_MODELS)}), and not a hub id of the form owner/name"
     )
+
+
+def check_model(spec: str) -> tuple[str, ModelConfig]:
+    """What ``load_model(spec)`` would read, checked without reading a weight: the file or
+    directory exists (a hub id: its config.json downloads), its config describes a model this
+    library builds, and a directory ships its weights and a tokenizer. Returns one line saying
+    what was found, and the model's config; raises ``CheckpointError`` or ``FileNotFoundError``
+    with the fix."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        if spec in OFFLINE_MODELS:
+            from whale_jax.io.gguf import find_smollm2_gguf
+
+            path = find_smollm2_gguf()  # FileNotFoundError with the install command
+        elif _is_hub_id(spec):
+            from huggingface_hub import hf_hub_download
+
+            try:
+                config_path = Path(hf_hub_download(spec, "config.json"))
+            except Exception as e:  # offline, unknown repo, gated: the hub's own error types
+                raise CheckpointError(
+                    f"{spec}: the Hugging Face hub did not give its config.json "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); on a "
+                    f"machine with network: `huggingface-cli download {spec} --local-dir DIR`, "
+                    "then pass that directory (or set HF_TOKEN for a gated model)"
+                ) from None
+            cfg = _config_of(config_path)
+            return f"{spec} (hub): {cfg.num_params() / 1e9:.2f}B parameters", cfg
+        else:
+            raise _not_found(spec)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{path}: expected a checkpoint directory or a .gguf file")
+        from whale_jax.io.gguf import read_gguf_config
+
+        try:
+            cfg = ModelConfig.from_hf(read_gguf_config(path), source=str(path))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        return f"{path} (GGUF, {cfg.num_params() / 1e9:.2f}B parameters)", cfg
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: expected a checkpoint directory or a .gguf file")
+    cfg = _config_of(path / "config.json")
+    if not list(path.glob("*.safetensors")):
+        raise CheckpointError(f"{path}: no *.safetensors weights")
+    if not any((path / f).exists() for f in _TOKENIZER_FILES):
+        raise CheckpointError(f"{path}: no tokenizer ({', '.join(_TOKENIZER_FILES)})")
+    return f"{path}: {cfg.num_params() / 1e9:.2f}B parameters", cfg
+
+
+def _config_of(config_path: Path) -> ModelConfig:
+    if not config_path.exists():
+        raise CheckpointError(f"{config_path.parent}: no config.json")
+    try:
+        hf_config = json.loads(config_path.read_text())
+        return ModelConfig.from_hf(hf_config, source=str(config_path))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+    except (KeyError, TypeError, ValueError) as e:
+        why = str(e) if str(config_path) in str(e) else f"{config_path}: {e!r}"
+        raise CheckpointError(f"not a model this library builds: {why}") from None
 
 
 def load_tokenizer(directory: str | Path):
@@ -90,7 +161,7 @@ def load_model(spec: str | Path, dtype=jnp.float32, mesh=None) -> LoadedModel:
     and recurrent state stay fp32). With ``mesh`` the parameters are placed by the sharding table
     as they stream in; without it they go to the default device.
     """
-    path = _resolve(str(spec))
+    path = resolve_model(str(spec))
     if path.is_file() and path.suffix == ".gguf":
         from whale_jax.io.gguf import read_gguf
         from whale_jax.io.gguf_tokenizer import tokenizer_from_gguf
@@ -104,14 +175,8 @@ def load_model(spec: str | Path, dtype=jnp.float32, mesh=None) -> LoadedModel:
         return LoadedModel(model, cfg, tokenizer)
     if not path.is_dir():
         raise CheckpointError(f"{path}: expected a checkpoint directory or a .gguf file")
-    config_path = path / "config.json"
-    if not config_path.exists():
-        raise CheckpointError(f"{path}: no config.json")
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from e
-    cfg = ModelConfig.from_hf(hf_config, source=str(config_path))
+    cfg = _config_of(path / "config.json")
+    hf_config = json.loads((path / "config.json").read_text())
     cfg = _with_generation_eos(cfg, path)
     model = abstract_model(cfg, dtype)
     prefix = load_into(model, safetensors_source(path), str(path), mesh)

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from harness.endpoints import KEY_ENVS
 from harness.executor import Executor, ExecutorConfig
 from harness.sandbox.jail import Policy
 from harness.search.archive import Archive
@@ -20,8 +21,9 @@ from whale_jax.compiled import MappingGuard
 from whale_jax.loop import schedule as sched
 from whale_jax.loop.checkpoint import Checkpoints
 from whale_jax.loop.config import ConfigError, RunConfig
-from whale_jax.loop.data import DomainData, load_domain_data
+from whale_jax.loop.data import DomainData
 from whale_jax.loop.metrics import MetricsLog, TensorBoard
+from whale_jax.loop.preflight import Checked
 from whale_jax.loop.state import LoopState
 from whale_jax.sharding import process_gather_json
 from whale_jax.train.rsft import DataCursor
@@ -54,14 +56,14 @@ def build_proposer(config: RunConfig):
     if p.kind == "gemini":
         from harness.search.proposers.gemini_backend import GeminiProposer
 
-        return GeminiProposer(model=p.model, api_key_env=p.api_key_env or "GEMINI_API_KEY",
+        return GeminiProposer(model=p.model, api_key_env=p.api_key_env or KEY_ENVS["gemini"],
                               base_url=p.base_url or None, timeout_s=p.timeout_s,
                               seed=config.seed)  # fmt: skip
     if p.kind == "openai":
         from harness.search.proposers.openai_backend import OpenAIProposer
 
         return OpenAIProposer(model=p.model, base_url=p.base_url or None,
-                              api_key_env=p.api_key_env or "OPENAI_API_KEY",
+                              api_key_env=p.api_key_env or KEY_ENVS["openai"],
                               timeout_s=p.timeout_s, seed=config.seed)  # fmt: skip
     from harness.search.proposers.command import CommandProposer
 
@@ -77,6 +79,7 @@ class Run:
     say: Callable[[str], None]  # one line to the console and run.log
     print_fn: Callable[[str], None]  # the console alone
     mirror: Any  # whale_jax.loop.mirror.Mirror, or None without --run_dir_mirror
+    checked: Checked  # what the preflight found (the initial harness among it)
     data: DomainData
     plan: sched.Plan
     trainer: Any  # whale_jax.train.trainer.Trainer, or None when the method never trains
@@ -111,9 +114,10 @@ def logger(root: str, print_fn: Callable[[str], None]) -> Callable[[str], None]:
     return say
 
 
-def build(config: RunConfig, *, log: Callable[[str], None] | None = None) -> Run:
-    """The run directory (restored from its mirror first), the data, the plan, the model with its
-    trainer, engine and executor, the archive, the proposer, checkpoints and the metrics file."""
+def build(config: RunConfig, checked: Checked, *, log: Callable[[str], None] | None = None) -> Run:
+    """The run directory (restored from its mirror first), then, with the data and plan the
+    preflight (``checked``) found, the model with its trainer, engine and executor, the archive,
+    the proposer, checkpoints and the metrics file."""
     t_start = time.monotonic()
     c, root = config, config.run_dir
     print_fn = log or (lambda s: print(s, flush=True))
@@ -129,26 +133,23 @@ def build(config: RunConfig, *, log: Callable[[str], None] | None = None) -> Run
         mirror.restore()
     say(f"run directory {os.path.abspath(root)}"
         + (f", mirrored to {c.mirror}" if c.mirror else ""))  # fmt: skip
-    data = load_domain_data(c.data)
-    sizes = data.sizes()
-    say(f"{c.data.domain}: {data.source}; splits {sizes}"
-        + (f"; {data.bad_rows} bad rows skipped" if data.bad_rows else ""))  # fmt: skip
-    plan = sched.make_plan(c, sizes["train"])
-    say(f"plan: {plan.total_steps} RSFT steps ({c.schedule.epochs} epochs of "
-        f"{sizes['train']} tasks at batch {c.rsft.prompt_batch}), method {c.schedule.method}, "
-        f"{c.schedule.schedule} schedule" +
-        (f" (E = {plan.phase_steps} steps, I = {plan.iterations})"
-         if c.schedule.schedule == "fixed" else ""))  # fmt: skip
+    for line in checked.lines:
+        say(line)
+    data, plan = checked.data, checked.plan
 
     import jax.numpy as jnp
 
     from whale_jax.engine.client import EngineClient
     from whale_jax.engine.device import auto_cache_rows, free_device_bytes
     from whale_jax.io.load import load_model
+    from whale_jax.io.safetensors import CheckpointError
 
     t0 = time.monotonic()
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[c.model.dtype]
-    model, _, tokenizer = load_model(c.model.model, dtype=dtype)
+    try:
+        model, _, tokenizer = load_model(c.model.model, dtype=dtype)
+    except (CheckpointError, OSError) as e:  # the preflight saw the files; they changed since
+        raise ConfigError(f"--model={c.model.model}: {e}") from None
     if tokenizer is None:
         raise ConfigError(f"--model={c.model.model}: the checkpoint ships no tokenizer")
     m = c.model
@@ -192,7 +193,8 @@ def build(config: RunConfig, *, log: Callable[[str], None] | None = None) -> Run
     if jax.process_count() > 1:
         check_shared_checkpoints(c.checkpoint_dir)
     return Run(
-        config=c, root=root, say=say, print_fn=print_fn, mirror=mirror, data=data, plan=plan,
+        config=c, root=root, say=say, print_fn=print_fn, mirror=mirror, checked=checked,
+        data=data, plan=plan,
         trainer=trainer, client=client, executor=executor, board_client=board, archive=archive,
         proposer=proposer, checkpoints=checkpoints,
         metrics=MetricsLog(os.path.join(root, "metrics.jsonl")),

@@ -41,6 +41,12 @@ class CheckpointMismatch(ValueError):
     """The save holds another model's tree: a configuration error, not a corrupt save."""
 
 
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (the message names the directory and the cause). The
+    saves before it stand; Orbax's threads of the failed save wait forever for its signals, so the
+    process must end without waiting for its threads (``whale_jax.main``)."""
+
+
 class Checkpoints:
     def __init__(self, directory: str, *, keep: int, log: Callable[[str], None] = print):
         # Orbax wants absolute paths; URLs (gs://...) pass as they are.
@@ -68,8 +74,16 @@ class Checkpoints:
             leaves, _, names = _tree_leaves(trainer)
             state["arrays"] = {"names": names, "shapes": [list(x.shape) for x in leaves]}
             items["arrays"] = ocp.args.StandardSave({f"{i:05d}": x for i, x in enumerate(leaves)})
-        self.manager.save(index, args=ocp.args.Composite(**items), force=True)
+        try:
+            self.manager.save(index, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:
+            raise self._failed(index, e) from e
         self._pending = (index, t0)
+
+    def _failed(self, index: int | None, e: Exception) -> SaveFailed:
+        which = f"checkpoint {index}" if index is not None else "a checkpoint"
+        return SaveFailed(f"--checkpoint_dir={self.directory}: writing {which} failed "
+                          f"({type(e).__name__}: {e})")  # fmt: skip
 
     def estimate_s(self, trainer=None) -> float:
         """How long the next save will take: the last one's duration, or before any save the
@@ -82,7 +96,11 @@ class Checkpoints:
         return sum(x.size * x.dtype.itemsize for x in leaves) / ASSUMED_WRITE_BPS
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            index, self._pending = (self._pending or (None, 0.0))[0], None
+            raise self._failed(index, e) from e
         if self._pending is not None:
             self.last_save_s = time.monotonic() - self._pending[1]
             self._pending = None

@@ -38,6 +38,95 @@ class ConfigError(ValueError):
     """A flag (named in the message) is missing, malformed or contradicts another."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A numeric flag's allowed values: finite, within [low, high], an end excluded when open."""
+
+    path: str  # the RunConfig field the flag sets, dotted
+    low: float = -math.inf
+    high: float = math.inf
+    open_low: bool = False
+    open_high: bool = False
+
+    def ok(self, value: float) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
+        above = value > self.low if self.open_low else value >= self.low
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below
+
+    def describe(self) -> str:
+        if self.high == math.inf:
+            return f"must be a finite number {'>' if self.open_low else '>='} {self.low:g}"
+        if self.low == -math.inf:
+            return f"must be a finite number {'<' if self.open_high else '<='} {self.high:g}"
+        lo, hi = "(" if self.open_low else "[", ")" if self.open_high else "]"
+        return f"must be in {lo}{self.low:g}, {self.high:g}{hi}"
+
+
+POSITIVE = dict(low=0.0, open_low=True)
+# Every numeric flag but the sampling ones (``SamplingSettings.errors`` owns those): the flag, the
+# config field it sets and its range. absl checks them as the flags are parsed (whale_jax.main),
+# and ``validate`` checks a config built in code against the same table.
+RANGES: dict[str, Range] = {
+    "seed": Range("seed", 0),
+    "split_seed": Range("data.split_seed", 0),
+    "train_size": Range("data.train_size", 0),
+    "search_size": Range("data.search_size", 1),
+    "validation_size": Range("data.validation_size", 0),
+    "test_size": Range("data.test_size", 0),
+    "test_per_source": Range("data.test_per_source", 0),
+    "arith_difficulty": Range("data.arith_difficulty", 1),
+    "arith_pool": Range("data.arith_pool", 1),
+    "engine_slots": Range("model.engine_slots", 1),
+    "max_len": Range("model.max_len", 2),
+    "concurrency": Range("model.concurrency", 0),
+    "engine_cache_rows": Range("model.engine_cache_rows", 0),
+    "prompt_batch": Range("rsft.prompt_batch", 1),
+    "samples": Range("rsft.samples", 1),
+    # Rewards lie in [0, 1] and an episode is kept above the threshold: at 1 nothing ever is; below
+    # 0 every episode is (training on every sample, verified or not: an ablation).
+    "reward_threshold": Range("rsft.reward_threshold", high=1.0, open_high=True),
+    "minibatch_episodes": Range("rsft.minibatch_episodes", 1),
+    "lr": Range("train.optim.learning_rate", **POSITIVE),
+    "warmup_steps": Range("train.optim.warmup_steps", 0),
+    "decay_steps": Range("train.optim.decay_steps", 0),
+    "weight_decay": Range("train.optim.weight_decay", 0.0),
+    "max_grad_norm": Range("train.optim.max_grad_norm", 0.0),
+    "seq_len": Range("train.seq_len", 2),
+    "micro_tokens": Range("train.micro_tokens", 1),
+    "epochs": Range("schedule.epochs", **POSITIVE),
+    "weight_epochs": Range("schedule.weight_epochs", **POSITIVE),
+    "harness_iterations": Range("schedule.harness_iterations", 1),
+    "adaptive_window": Range("schedule.window_epochs", **POSITIVE),
+    "adaptive_burn_in": Range("schedule.burn_in_epochs", **POSITIVE),
+    "adaptive_patience": Range("schedule.patience_epochs", **POSITIVE),
+    "search_min_proposals": Range("search.min_proposals", 1),
+    "search_patience": Range("search.patience", 1),
+    "search_max_proposals": Range("search.max_proposals", 1),
+    "harness_phases": Range("schedule.harness_phases", 0),
+    "harness_budget": Range("schedule.harness_budget", 0),
+    "slots": Range("search.slots", 1),
+    "search_samples": Range("search.samples", 1),
+    "audit_tasks": Range("search.validation.audit_tasks", 1),
+    "proposer_timeout_s": Range("proposer.timeout_s", **POSITIVE),
+    "eval_samples": Range("eval.samples", 1),
+    "eval_every_epochs": Range("eval.every_epochs", 0.0),
+    "checkpoint_keep": Range("checkpoint.keep", 1),
+    "checkpoint_every_steps": Range("checkpoint.every_steps", 0),
+    "checkpoint_every_minutes": Range("checkpoint.every_minutes", 0.0),
+    "preemption_grace_s": Range("checkpoint.preemption_grace_s", 0.0),
+}
+
+
+def range_error(flag: str, value: Any) -> str | None:
+    """``--flag=value: must be ...`` when ``value`` is outside the flag's range, else None."""
+    r = RANGES[flag]
+    return None if r.ok(value) else f"--{flag}={value}: {r.describe()}"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     domain: str = "arith"
@@ -223,12 +312,19 @@ def steps_for(epochs: float, split_size: int, prompt_batch: int) -> int:
 
 def validate(config: RunConfig) -> None:
     """Contradictions and impossible values, each naming its flag (``--name``)."""
-    d, s, m, e, c, p = (config.data, config.schedule, config.model, config.eval,
-                        config.checkpoint, config.proposer)  # fmt: skip
+    d, s, m, e, p = config.data, config.schedule, config.model, config.eval, config.proposer
 
     def need(ok: bool, flag: str, why: str) -> None:
         if not ok:
             raise ConfigError(f"--{flag}: {why}")
+
+    for flag, r in RANGES.items():
+        value = config
+        for part in r.path.split("."):
+            value = getattr(value, part)
+        problem = range_error(flag, value)
+        if problem:
+            raise ConfigError(problem)
 
     if d.domain_dir:
         try:
@@ -251,32 +347,18 @@ def validate(config: RunConfig) -> None:
     need(s.method in METHODS, "method", f"{s.method!r} is not one of {', '.join(METHODS)}")
     need(s.schedule in SCHEDULES, "schedule", f"{s.schedule!r}: expected fixed or adaptive")
     need(p.kind in PROPOSERS, "proposer", f"{p.kind!r} is not one of {', '.join(PROPOSERS)}")
-    need(s.epochs > 0, "epochs", "the weight-training budget must be positive")
     if s.schedule == "adaptive":
         need(s.method in ("whale", "fast-slow"), "schedule",
              f"adaptive switching needs alternation; --method={s.method} does not alternate")  # fmt: skip
-        for name in ("window_epochs", "burn_in_epochs", "patience_epochs"):
-            need(getattr(s, name) > 0, f"adaptive_{name.removesuffix('_epochs')}",
-                 "must be positive (in epochs)")  # fmt: skip
-    else:
-        need(s.weight_epochs > 0, "weight_epochs", "the fixed schedule needs E > 0")
-        need(s.harness_iterations >= 1, "harness_iterations", "the fixed schedule needs I >= 1")
     if s.method in ("whale", "fast-slow") and s.schedule == "fixed":
         need(s.weight_epochs <= s.epochs, "weight_epochs",
              f"E = {s.weight_epochs} is longer than the whole budget --epochs={s.epochs}")  # fmt: skip
-    need(s.harness_phases >= 0, "harness_phases", "must be >= 0")
-    need(s.harness_budget >= 0, "harness_budget", "must be >= 0")
     if s.harness_budget and s.method not in ("harness-only", "stagewise"):
         raise ConfigError("--harness_budget: only for --method=harness-only or stagewise (the "
                           "others run phases of --harness_iterations)")  # fmt: skip
     if s.harness_phases and s.method != "harness-only":
         raise ConfigError("--harness_phases: only for --method=harness-only (the others derive "
                           "their harness phases from the schedule)")  # fmt: skip
-    need(e.samples >= 1, "eval_samples", "must be at least 1")
-    need(e.every_epochs >= 0, "eval_every_epochs", "must be >= 0")
-    need(m.engine_slots >= 1, "engine_slots", "must be at least 1")
-    need(m.concurrency >= 0, "concurrency", "must be >= 0 (0: twice --engine_slots)")
-    need(m.engine_cache_rows >= 0, "engine_cache_rows", "must be >= 0 (0: by memory)")
     for key, problem in m.sampling().errors():
         need(False, key, problem)
     need(m.max_new_tokens < m.max_len, "max_new_tokens",
@@ -284,9 +366,6 @@ def validate(config: RunConfig) -> None:
     need(m.dtype in ("float32", "bfloat16"), "dtype", "float32 or bfloat16")
     need(m.sandbox in ("", "strict", "shared_uid", "landlock"), "sandbox",
          f"{m.sandbox!r}: strict, shared_uid or landlock")  # fmt: skip
-    need(c.keep >= 1, "checkpoint_keep", "keep at least one checkpoint")
-    need(d.search_size >= 1, "search_size", "the harness-search split needs tasks")
-    need(d.validation_size >= 0 and d.test_size >= 0, "validation_size", "sizes must be >= 0")
     if e.validation:
         need(d.validation_size >= 1, "validation_size",
              "validation evaluation is on (--eval_validation) but the split is empty")  # fmt: skip
@@ -295,7 +374,6 @@ def validate(config: RunConfig) -> None:
     if config.searches and p.kind == "command":
         need("{prompt}" in p.command or "{prompt_file}" in p.command, "proposer_command",
              "the template needs {prompt} or {prompt_file} where the task goes")  # fmt: skip
-    need(d.arith_difficulty >= 1, "arith_difficulty", "levels start at 1")
     need(not config.initial_harness or os.path.isfile(config.initial_harness),
          "initial_harness", f"{config.initial_harness}: no such file")  # fmt: skip
     if config.mirror and "://" not in config.mirror:  # a local path: not inside the run dir

@@ -4,6 +4,8 @@
 
 ``run(config)`` is the whole of it, in plain functions over one explicit record (``build.Run``):
 
+- ``preflight``: everything the run needs, tried before the model loads (the data and plan among
+  it);
 - ``build``: every part, made once (data, plan, model, trainer, engine, executor, archive,
   proposer, checkpoints, metrics);
 - ``state``: a fresh start or a resume (``LoopState``, config.json), the metric line of each event;
@@ -40,6 +42,7 @@ from whale_jax.loop.config import RunConfig
 from whale_jax.loop.evaluate import evaluate
 from whale_jax.loop.hosts import sync_harness
 from whale_jax.loop.phases import harness_phase, weight_phase
+from whale_jax.loop.preflight import preflight
 from whale_jax.loop.saving import push_mirror, save, save_on_preemption
 from whale_jax.loop.state import Preempted, emit, start_or_resume
 
@@ -56,7 +59,7 @@ def run(
 ) -> dict[str, Any]:
     """Runs (or resumes, or reprints) the run ``config`` describes; returns its summary. ``log``
     receives one line per event (stdout by default). Raises ``Preempted`` after SIGTERM."""
-    r = build(config, log=log)
+    r = build(config, preflight(config), log=log)
 
     def on_term(signum, frame) -> None:
         if r.term_at is None:

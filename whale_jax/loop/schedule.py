@@ -131,3 +131,24 @@ def harness_iterations(plan: Plan) -> int:
     single = plan.method == "stagewise" or (plan.method == "harness-only"
                                             and plan.harness_phases == 1)  # fmt: skip
     return plan.single_phase_iterations if single else plan.iterations
+
+
+def phase_list(plan: Plan) -> list[tuple[str, int]] | None:
+    """The phases the run will make, in order, each with its length (RSFT steps of a weight phase,
+    iterations of a harness phase); None when the adaptive schedule decides lengths as it runs."""
+    if plan.alternates and plan.schedule != "fixed":
+        return None
+    out: list[tuple[str, int]] = []
+    done: list[str] = []
+    step = 0
+    while (kind := next_phase(plan, done, step)) is not None:
+        if kind == WEIGHT:
+            n = plan.total_steps - step
+            if plan.alternates:
+                n = min(plan.phase_steps, n)
+            step += n
+            out.append((kind, n))
+        else:
+            out.append((kind, harness_iterations(plan)))
+        done.append(kind)
+    return out

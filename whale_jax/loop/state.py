@@ -168,16 +168,9 @@ def write_config(run: Run, config_hash_: str) -> None:
 
 
 def initial_harness(run: Run) -> AcceptedHarness:
-    path = run.config.initial_harness
-    if path:  # its existence was checked with the flags
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-        name = os.path.splitext(os.path.basename(path))[0]
-    else:
-        source, name = run.data.domain.seed_harness(), "h0"
     rel = os.path.join("archive", "initial.py")
-    write_atomic(os.path.join(run.root, rel), source)
-    return AcceptedHarness(id=name, path=rel)
+    write_atomic(os.path.join(run.root, rel), run.checked.harness_source)
+    return AcceptedHarness(id=run.checked.harness_name, path=rel)
 
 
 def discard_phases_after(run: Run, keep: int) -> None:

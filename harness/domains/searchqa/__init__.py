@@ -11,6 +11,7 @@ import json
 import os
 import re
 import string
+import time
 from typing import Any
 
 from harness.data import BadRowLog, read_rows
@@ -230,6 +231,23 @@ class SearchQADomain(Domain):
     def __init__(self, retriever: Retriever | None = None, judge: LLMJudge | None = None):
         self.retriever = retriever
         self.judge = judge  # asked only when exact match fails; None from it: exact match stands
+
+    def check(self) -> list[str]:
+        r = self.retriever
+        if not isinstance(r, HTTPRetriever):
+            return [f"retriever: {type(r).__name__} in process"]
+        t0 = time.monotonic()
+        try:
+            hits = r.retrieve(["health check"], 1)
+            if len(hits) != 1:
+                raise ValueError(f"{len(hits)} result lists for 1 query")
+        except Exception as e:  # urllib, socket and JSON errors alike: the server is not usable
+            raise DataError(
+                f"--retriever_url={r.url}: the retrieval server did not answer a test query "
+                f"({type(e).__name__}: {e}); start it (docs/loop.md, 'Splits and data') or leave "
+                "--retriever_url empty for BM25 over the corpus in process"
+            ) from None
+        return [f"retriever {r.url}: answered a test query in {time.monotonic() - t0:.2f}s"]
 
     def costs(self) -> dict[str, int]:
         j = self.judge

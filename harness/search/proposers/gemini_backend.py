@@ -16,7 +16,7 @@ from typing import Any
 from google import genai
 from google.genai import errors, types
 
-from harness.endpoints import GEMINI_BASE_URL, api_key_from_env
+from harness.endpoints import GEMINI_BASE_URL, KEY_ENVS, api_key_from_env
 from harness.search.proposers.base import TOOL_SPECS, ProposeRequest
 from harness.search.proposers.llm import (
     Reply,
@@ -84,7 +84,7 @@ class GeminiProposer(ToolLoopProposer):
     def __init__(
         self,
         model: str = "gemini-2.5-pro",
-        api_key_env: str = "GEMINI_API_KEY",
+        api_key_env: str = KEY_ENVS["gemini"],
         max_turns: int = 40,
         timeout_s: float = 600,
         max_retries: int = 5,

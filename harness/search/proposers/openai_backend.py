@@ -13,7 +13,7 @@ from typing import Any
 
 import openai
 
-from harness.endpoints import OPENAI_BASE_URL, api_key_from_env
+from harness.endpoints import KEY_ENVS, OPENAI_BASE_URL, api_key_from_env
 from harness.search.proposers.base import TOOL_SPECS, ProposeRequest
 from harness.search.proposers.llm import (
     Reply,
@@ -51,7 +51,7 @@ class OpenAIProposer(ToolLoopProposer):
         self,
         model: str,
         base_url: str | None = None,
-        api_key_env: str = "OPENAI_API_KEY",
+        api_key_env: str = KEY_ENVS["openai"],
         max_turns: int = 40,
         timeout_s: float = 600,
         temperature: float | None = None,
