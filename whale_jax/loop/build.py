@@ -17,6 +17,7 @@ from harness.endpoints import KEY_ENVS
 from harness.executor import Executor, ExecutorConfig
 from harness.sandbox.jail import Policy
 from harness.search.archive import Archive
+from harness.search.proposers.base import Proposer
 from whale_jax.compiled import MappingGuard
 from whale_jax.loop import schedule as sched
 from whale_jax.loop.checkpoint import Checkpoints
@@ -30,21 +31,23 @@ from whale_jax.train.rsft import DataCursor
 
 
 class CountingProposer:
-    """Counts a proposer's calls and, for LLM proposers, the tokens their last call reported."""
+    """Counts a proposer's calls; its tokens are what the proposer's ``usage`` says it spent
+    (an LLM proposer's replies; the offline proposer spends none)."""
 
-    def __init__(self, inner):
-        self.inner, self.name = inner, getattr(inner, "name", "proposer")
-        self.calls = self.tokens = 0
+    def __init__(self, inner: Proposer):
+        self.inner, self.name = inner, inner.name
+        self.usage = inner.usage
+        self.calls = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.inner.usage.tokens
 
     def propose(self, request):
         try:
             return self.inner.propose(request)
         finally:
             self.calls += 1
-            usage = getattr(self.inner, "last_usage", None) or {}
-            self.tokens += int(usage.get("prompt_tokens", 0)) + int(
-                usage.get("completion_tokens", 0)
-            )
 
 
 def build_proposer(config: RunConfig):

@@ -70,8 +70,26 @@ class ProposeRequest:
         )
 
 
+@dataclasses.dataclass
+class Usage:
+    """What a proposer spent: model replies (``turns``) and their tokens, tool calls, retries."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    retries: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
 class Proposer(Protocol):
     name: str
+    # Everything this proposer has spent since it was made, added as it is spent: a proposal
+    # that fails or raises has still spent its tokens (the loop counts the difference).
+    usage: Usage
 
     def propose(self, request: ProposeRequest) -> tuple[list[Proposal], list[str]]:
         """(proposals, problems): problems are reasons a slot went unfilled (recorded)."""

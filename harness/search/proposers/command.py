@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 
 from harness.search.archive import Proposal
-from harness.search.proposers.base import MAX_SOURCE, ProposeRequest, collect
+from harness.search.proposers.base import MAX_SOURCE, ProposeRequest, Usage, collect
 
 _KEPT = ("PATH", "HOME", "LANG", "LC_ALL", "TZ")
 
@@ -44,6 +44,7 @@ class CommandProposer:
             env_keys,
             name,
         )
+        self.usage = Usage()  # the command's own model calls are not seen from here
 
     def propose(self, request: ProposeRequest) -> tuple[list[Proposal], list[str]]:
         work = tempfile.mkdtemp(prefix="whale-proposer-")

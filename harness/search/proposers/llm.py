@@ -12,7 +12,8 @@ retry). ``ToolLoopProposer.propose`` does the rest:
           out; then read the slot directory with ``collect``.
 
 Why a proposal ended early is returned as a problem string, never raised: an API failure costs a
-proposal, not the search. Token usage is kept in ``last_usage``. The API key is read from the
+proposal, not the search. What a proposal spent is ``last_usage``, what the proposer has spent
+since it was made ``usage`` (both ``Usage``, added to as replies arrive). The API key is read from the
 named environment variable only, handed to the client library, and masked out of every problem
 string; it is never logged, written or shown to a tool.
 """
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from harness.search.archive import Proposal
-from harness.search.proposers.base import ArchiveTools, ProposeRequest, collect
+from harness.search.proposers.base import ArchiveTools, ProposeRequest, Usage, collect
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,8 @@ class ToolLoopProposer(abc.ABC):
         self.max_retries = max_retries
         self._sleep = sleep
         self._rng = random.Random(seed)
-        self.last_usage: dict[str, int] = self._fresh_usage()
+        self.last_usage = Usage()  # the latest proposal's
+        self.usage = Usage()  # every proposal's, this one's included as it goes
 
     @abc.abstractmethod
     def _conversation(self, request: ProposeRequest) -> Conversation:
@@ -181,31 +183,25 @@ class ToolLoopProposer(abc.ABC):
     def _classify(self, exc: BaseException) -> Verdict:
         """Whether an exception of ``_api_errors`` is worth a retry, and how to describe it."""
 
-    @staticmethod
-    def _fresh_usage() -> dict[str, int]:
-        return {"prompt_tokens": 0, "completion_tokens": 0, "turns": 0, "tool_calls": 0,
-                "retries": 0}  # fmt: skip
-
     def propose(self, request: ProposeRequest) -> tuple[list[Proposal], list[str]]:
         """Run one session, then read the slot directory. ``last_usage`` is updated as it goes."""
-        usage = self.last_usage = self._fresh_usage()
+        self.last_usage = Usage()
         tools = ArchiveTools(request)
         deadline = time.monotonic() + self.timeout_s
         conversation = self._conversation(request)
         problems: list[str] = []
         try:
             while not tools.submitted:
-                if usage["turns"] >= self.max_turns:
+                if self.last_usage.turns >= self.max_turns:
                     raise _Stop(f"stopped after max_turns={self.max_turns} model replies")
-                reply = self._send(conversation, deadline, usage)
-                usage["turns"] += 1
-                usage["prompt_tokens"] += reply.prompt_tokens
-                usage["completion_tokens"] += reply.completion_tokens
+                reply = self._send(conversation, deadline)
+                self._spend(turns=1, prompt_tokens=reply.prompt_tokens,
+                            completion_tokens=reply.completion_tokens)  # fmt: skip
                 if not reply.calls:
                     raise _Stop(f"the model replied without a tool call (finish: {reply.stop})")
                 results = []
                 for call in reply.calls:
-                    usage["tool_calls"] += 1
+                    self._spend(tool_calls=1)
                     result = (
                         {"error": call.error} if call.error else tools.call(call.name, call.args)
                     )
@@ -216,11 +212,16 @@ class ToolLoopProposer(abc.ABC):
             problems.append(self._problem(f"{e}; it did not call submit"))
         except ReplyError as e:
             problems.append(self._problem(f"unusable model response: {e}"))
-        log.info("%s: %s", self.name, usage)
+        log.info("%s: %s", self.name, self.last_usage)
         proposals, more = collect(request, self.name)
         return proposals, problems + more
 
-    def _send(self, conversation: Conversation, deadline: float, usage: dict[str, int]) -> Reply:
+    def _spend(self, **counts: int) -> None:
+        for usage in (self.last_usage, self.usage):
+            for name, n in counts.items():
+                setattr(usage, name, getattr(usage, name) + n)
+
+    def _send(self, conversation: Conversation, deadline: float) -> Reply:
         """One model reply, retrying what ``_classify`` calls retryable, within the deadline."""
         retry = 0
         while True:
@@ -239,7 +240,7 @@ class ToolLoopProposer(abc.ABC):
             if time.monotonic() + delay >= deadline:
                 raise _Stop(f"timeout_s={self.timeout_s} ran out while retrying ({verdict.what})")
             retry += 1
-            usage["retries"] += 1
+            self._spend(retries=1)
             log.info("%s: %s; retry %d/%d in %.1fs", self.name, self._mask(verdict.what), retry,
                      self.max_retries, delay)  # fmt: skip
             self._sleep(delay)

@@ -63,7 +63,7 @@ from harness.domains.base import Domain
 from harness.records import EpisodeRecord
 from harness.sandbox.static_check import check_source
 from harness.search.archive import Archive, Candidate, Phase, Proposal
-from harness.search.proposers.base import ProposeRequest
+from harness.search.proposers.base import ProposeRequest, Usage
 from harness.search.proposers.kit import Evidence, Variant, edit_prompt, gather_evidence
 
 __all__ = ["OfflineProposer", "catalogue", "edit_prompt", "prompt_catalogue", "render"]
@@ -188,6 +188,7 @@ class OfflineProposer:
 
     def __init__(self, seed: int = 0):
         self.seed = seed
+        self.usage = Usage()  # no model: nothing spent
 
     def propose(self, request: ProposeRequest) -> tuple[list[Proposal], list[str]]:
         try:

@@ -7,6 +7,7 @@ check is recorded in ``server.failures`` and answered with HTTP 400, which ends 
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import socket
@@ -327,7 +328,7 @@ def test_scripted_session(wire: Wire, propose_request: ProposeRequest, tmp_path:
     assert proposer.name == f"{'openai' if isinstance(w, OpenAIWire) else 'gemini'}:{w.model}"
     assert not (tmp_path / "archive" / "phase-001" / "evil.py").exists()
     assert not (tmp_path / "evil.py").exists()
-    assert proposer.last_usage == {"prompt_tokens": 900, "completion_tokens": 90, "turns": 6,
+    assert dataclasses.asdict(proposer.last_usage) == {"prompt_tokens": 900, "completion_tokens": 90, "turns": 6,
                                    "tool_calls": 7, "retries": 0}  # fmt: skip
 
 
@@ -345,7 +346,7 @@ def test_rate_limit_is_retried_after_the_server_hint(
     assert server.failures == []
     assert len(server.requests) == 2 and server.requests[0] == server.requests[1]
     assert sleeps == [2.0]  # the hint beats the first backoff (at most 1.5 s)
-    assert proposer.last_usage == {"prompt_tokens": 50, "completion_tokens": 5, "turns": 1,
+    assert dataclasses.asdict(proposer.last_usage) == {"prompt_tokens": 50, "completion_tokens": 5, "turns": 1,
                                    "tool_calls": 0, "retries": 1}  # fmt: skip
     assert proposals == []
     assert len(problems) == 2
@@ -368,7 +369,7 @@ def test_server_error_on_every_attempt_ends_with_a_problem(
     assert proposals == []
     assert "API error after 3 retries" in problems[0] and "HTTP 500" in problems[0]
     assert "boom" in problems[0] and KEY not in problems[0]
-    assert proposer.last_usage["retries"] == 3 and proposer.last_usage["turns"] == 0
+    assert proposer.last_usage.retries == 3 and proposer.last_usage.turns == 0
 
 
 def test_client_error_is_not_retried(wire: Wire, propose_request: ProposeRequest) -> None:
@@ -390,18 +391,25 @@ def test_connection_refused_is_retried_then_reported(
     proposals, problems = proposer.propose(propose_request)
     assert proposals == [] and len(sleeps) == 2
     assert "API error after 2 retries" in problems[0]
-    assert proposer.last_usage["retries"] == 2
+    assert proposer.last_usage.retries == 2
 
 
 def test_max_turns_ends_the_session(wire: Wire, propose_request: ProposeRequest) -> None:
-    steps = [reply(wire.calls([("list_dir", {"path": ""})], 10, 3)) for _ in range(3)]
+    steps = [reply(wire.calls([("list_dir", {"path": ""})], 10, 3)) for _ in range(6)]
     with ScriptedServer(wire, steps) as server:
         proposer = wire.proposer(server.url, max_turns=3)
         proposals, problems = proposer.propose(propose_request)
-    assert server.failures == [] and len(server.requests) == 3
-    assert "max_turns=3" in problems[0]
-    assert proposer.last_usage == {"prompt_tokens": 30, "completion_tokens": 9, "turns": 3,
-                                   "tool_calls": 3, "retries": 0}  # fmt: skip
+        assert server.failures == [] and len(server.requests) == 3
+        assert "max_turns=3" in problems[0]
+        once = {"prompt_tokens": 30, "completion_tokens": 9, "turns": 3, "tool_calls": 3,
+                "retries": 0}  # fmt: skip
+        assert dataclasses.asdict(proposer.last_usage) == once
+        # A second proposal: its own usage, and the proposer's whole spend (what the loop counts,
+        # failed proposals included) is the sum.
+        proposer.propose(propose_request)
+    assert dataclasses.asdict(proposer.last_usage) == once
+    assert dataclasses.asdict(proposer.usage) == {k: 2 * v for k, v in once.items()}
+    assert proposer.usage.tokens == 78
 
 
 def test_timeout_bounds_the_whole_proposal(wire: Wire, propose_request: ProposeRequest) -> None:
@@ -458,7 +466,7 @@ def test_openai_bad_tool_arguments_go_back_as_an_error(
         proposer = w.proposer(server.url)
         proposer.propose(propose_request)
     assert server.failures == [] and len(server.requests) == 2
-    assert proposer.last_usage["tool_calls"] == 1
+    assert proposer.last_usage.tool_calls == 1
 
 
 def test_long_tool_results_are_clipped() -> None:
