@@ -4,6 +4,7 @@ process with exit 1 instead of hanging."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -92,6 +93,9 @@ TABLE = [
      "--proposer_command", "whale-no-such-program"),
     (["--model={inputs}/missing"], "--model", "no such file or directory"),
     (["--model={inputs}/no_config"], "--model", "no config.json"),
+    (["--model=whale-test/no-such-model"], "--model", "the Hugging Face hub did not give"),
+    (["--checkpoint_dir=gs://whale-test-bucket/ckpt"], "--checkpoint_dir", "gcsfs"),
+    (["--data_dir=gs://whale-test-bucket/data", "--domain=math"], "--data_dir", "gcsfs"),
     (["--domain=math", "--data_dir={inputs}/truncated"], "dapo_math_17k.parquet", "--verify"),
     (["--domain=math", "--data_dir={inputs}/schema"], "dapo_math_17k.parquet", "'prompt'"),
     (["--domain=math", "--data_dir={inputs}/nothing"], "--data_dir", "fetch_data"),
@@ -108,6 +112,13 @@ def test_bad_input_is_refused_before_the_model_loads(
 ):
     for var in ("GEMINI_API_KEY", "OPENAI_API_KEY", "WHALE_TEST_NO_KEY"):
         monkeypatch.delenv(var, raising=False)
+    if "gcsfs" in why and importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here: a gs:// path would reach for the network")
+    # The hub unreachable, as on a machine without network (and no request leaves this one).
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     run_dir = tmp_path / "run"
     given = [b.format(inputs=inputs, port=closed_port()) for b in bad]
     names = {a.split("=")[0] for a in given}
