@@ -1,7 +1,4 @@
-import atexit
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -12,25 +9,12 @@ REPO = Path(__file__).parent.parent
 
 # Tests run on the host CPU; keep XLA from grabbing both cores per test-process thread pool.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache for this run of the suite, shared by pytest-xdist's workers and
-# by every program a test starts (they inherit the variables): a program one process compiled is
-# loaded by the next that needs it (the key is its HLO, options and backend), not compiled again.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _cache = tempfile.mkdtemp(prefix="whale-tests-xla-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-    atexit.register(shutil.rmtree, _cache, True)  # in the process that made it (xdist's main)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # Run on an accelerator instead (JAX_PLATFORMS=cuda or tpu), the tolerances below still hold
 # only for fp32 products computed in fp32, which a GPU (TF32) or TPU (bf16 passes) does not do
 # at default precision: ask for it. The CPU computes fp32 products in fp32 either way.
-import jax  # noqa: E402 (a pytest plugin may have imported it before this file: set its config)
-
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update(
-    "jax_persistent_cache_min_compile_time_secs",
-    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
-)
 if os.environ["JAX_PLATFORMS"] != "cpu":
+    import jax  # (a pytest plugin may have imported it before this file: set it in its config)
+
     jax.config.update(
         "jax_default_matmul_precision", os.environ.get("JAX_DEFAULT_MATMUL_PRECISION", "highest")
     )
@@ -119,3 +103,21 @@ def assert_trees_close_to_scale(actual, desired, rel: float) -> None:
     assert len(leaves) == len(paths)
     for (path, b), a in zip(paths, leaves, strict=True):
         assert_close_to_scale(a, b, rel, jax.tree_util.keystr(path))
+
+
+# -- order ---------------------------------------------------------------------------------------
+# `make test` splits the suite over two processes by file (pytest-xdist, --dist loadfile), handing
+# out files in collection order: the longest files go first, so none of them runs alone at the end.
+_LONGEST_FIRST = (
+    "tests/loop/test_e2e.py",
+    "tests/train/test_trainer.py",
+    "tests/loop/test_hosts.py",
+    "tests/loop/test_run.py",
+    "tests/loop/test_mirror.py",
+    "tests/models/test_attention.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable

@@ -62,6 +62,25 @@ def small_run_flags(run_dir: str, model: str, **overrides) -> list[str]:
     return [f"--{k}={v}" for k, v in flags.items()]
 
 
+def run_in_process(args: list[str]) -> dict:
+    """``python -m whale_jax.main ARGS`` in this process: the flags parsed as the program parses
+    them, then the loop (``run``). A program an earlier run here compiled (the same shapes) is
+    reused from memory, where a new process would load it from the persistent cache; use it
+    where what is tested is the loop, not the process."""
+    from absl import flags
+
+    from whale_jax import main as cli
+    from whale_jax.loop.run import run
+
+    flags.FLAGS.unparse_flags()
+    try:
+        cli.parse_flags(["whale_jax.main", *args])
+        config = cli.config_from_flags()
+    finally:
+        flags.FLAGS.unparse_flags()
+    return run(config, log=lambda s: None)
+
+
 def main_command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "whale_jax.main", *args]
 

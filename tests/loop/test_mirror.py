@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from tests.loop.conftest import run_main, small_run_flags
+from tests.loop.conftest import run_in_process, run_main, small_run_flags
 from tests.loop.test_run import archive_listing, metric_lines, shape, start, wait_for_lines
 from whale_jax.loop.config import ConfigError, RunConfig, validate
 from whale_jax.loop.mirror import MANIFEST, Mirror, MirrorError
@@ -152,8 +152,7 @@ def test_a_vm_that_loses_its_disk_resumes_from_the_mirror(tiny_model_dir, tmp_pa
     VM), the same command again: it restores the run directory, resumes from the checkpoint beside
     the mirror, and ends with the metrics and archive of an uninterrupted run."""
     base = str(tmp_path / "base")
-    done = run_main(small_run_flags(base, tiny_model_dir))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_in_process(small_run_flags(base, tiny_model_dir))  # the uninterrupted run
     # A mirror gained on resume moves the default checkpoint directory: refused, not restarted.
     before = metric_lines(base)
     moved = run_main(small_run_flags(base, tiny_model_dir, run_dir_mirror=str(tmp_path / "m")))

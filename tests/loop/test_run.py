@@ -13,7 +13,14 @@ import time
 
 import pytest
 
-from tests.loop.conftest import REPO, main_command, metric_lines, run_main, small_run_flags
+from tests.loop.conftest import (
+    REPO,
+    main_command,
+    metric_lines,
+    run_in_process,
+    run_main,
+    small_run_flags,
+)
 
 
 def shape(lines: list[dict]) -> list[tuple]:
@@ -163,8 +170,7 @@ def test_sigterm_saves_and_the_rerun_finishes(tiny_model_dir, tmp_path):
 )  # fmt: skip
 def test_every_method_runs_its_phase_sequence(tiny_model_dir, tmp_path, overrides, phases, steps):
     run_dir = str(tmp_path / "run")
-    done = run_main(small_run_flags(run_dir, tiny_model_dir, report="false", **overrides))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_in_process(small_run_flags(run_dir, tiny_model_dir, report="false", **overrides))
     lines = metric_lines(run_dir)
     assert [x["phase_kind"] for x in lines if x["kind"] == "phase_end"] == phases
     assert len([x for x in lines if x["kind"] == "rsft"]) == steps
@@ -233,9 +239,8 @@ def test_the_trained_weights_export_as_an_hf_checkpoint(tiny_model_dir, tmp_path
 
     # Four RSFT steps that train every episode (a random model earns no reward to keep).
     run_dir = str(tmp_path / "run")
-    done = run_main(small_run_flags(run_dir, tiny_model_dir, method="weight-only",
-                                    reward_threshold=-1))  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_process(small_run_flags(run_dir, tiny_model_dir, method="weight-only",
+                                   reward_threshold=-1))  # fmt: skip
     out = tmp_path / "hf"
     wrote = export(run_dir, str(out), which="last", log=lambda s: None)
     assert wrote["step"] == 4 and (out / "config.json").exists()
