@@ -74,7 +74,11 @@ flags.DEFINE_string("judge_api_key_env", "", "Searchqa: the variable holding the
 # Model, engine, sampling, sandbox.
 flags.DEFINE_string("model", "smollm2", "Checkpoint: directory, .gguf, hub id, or smollm2.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Engine weights/activations.")
-flags.DEFINE_integer("engine_slots", 64, "Sequences the engine decodes at once.")
+flags.DEFINE_integer("engine_slots", 64, "Sequences the engine decodes at once, over all its "
+                     "devices (a multiple of their number).")  # fmt: skip
+flags.DEFINE_integer("engine_devices", 0, "This host's devices the rollouts run on, one engine "
+                     "each with its share of the slots and a copy of the weights (0: every "
+                     "local device; N: the first N).")  # fmt: skip
 flags.DEFINE_integer("max_len", 2048, "Tokens per engine slot (prompt + completion of a call).")
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature (the paper: 1.0).")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling (the paper: 1.0).")
@@ -235,7 +239,8 @@ def config_from_flags(f=F) -> cfg.RunConfig:
             judge_api_key_env=f.judge_api_key_env, domain_dir=f.domain_dir,
         ),
         model=cfg.ModelSettings(
-            model=f.model, dtype=f.dtype, engine_slots=f.engine_slots, max_len=f.max_len,
+            model=f.model, dtype=f.dtype, engine_slots=f.engine_slots,
+            engine_devices=f.engine_devices, max_len=f.max_len,
             temperature=f.temperature, top_p=f.top_p, top_k=f.top_k,
             max_new_tokens=f.max_new_tokens, concurrency=f.concurrency, sandbox=f.sandbox,
             engine_cache_rows=f.engine_cache_rows,

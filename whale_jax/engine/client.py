@@ -27,11 +27,13 @@ import collections
 import dataclasses
 import json
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from harness.api import ChatRequest, ChatResult
 from whale_jax.engine.chat import ChatFormat, Session, Tokenizer, format_for
 from whale_jax.engine.engine import Engine, EngineConfig
+from whale_jax.engine.pool import EnginePool
 from whale_jax.engine.requests import Request, Sampling
 from whale_jax.models.transformer import Transformer
 
@@ -55,8 +57,9 @@ def _messages_key(messages, *options) -> str | None:
 class EngineClient:
     """Engine-backed chat backend.
 
-    ``EngineClient(model, tokenizer, slots=.., max_len=..)`` builds its own ``Engine``; pass
-    ``engine=`` to share one. ``chat_format`` defaults to the model family's format with the
+    ``EngineClient(model, tokenizer, slots=.., max_len=..)`` builds its own ``Engine`` (with
+    ``devices``, more than one: an ``EnginePool`` of one engine per device, the slots split over
+    them); pass ``engine=`` to share one. ``chat_format`` defaults to the model family's format with the
     tokenizer's chat template (Qwen3.5 for ``qwen3_5`` models, ChatML otherwise).
     """
 
@@ -69,7 +72,8 @@ class EngineClient:
         max_len: int = 2048,
         chat_format: ChatFormat | None = None,
         seed: int = 0,
-        engine: Engine | None = None,
+        engine: Engine | EnginePool | None = None,
+        devices: Sequence[Any] | None = None,
         max_sessions: int = 100_000,
         **engine_options: Any,
     ):
@@ -77,13 +81,13 @@ class EngineClient:
         self.format = chat_format or format_for(model.cfg.family, tokenizer)
         eot = self._token_id(self.format.end_of_turn)
         eos = tuple(dict.fromkeys([*model.cfg.eos_token_ids, *([eot] if eot is not None else [])]))
-        self.engine = engine or Engine(
-            model,
-            EngineConfig(slots=slots, max_len=max_len, seed=seed, **engine_options),
-            eos_ids=eos,
-            detokenize=self.decode,
-        )
-        self._owns_engine = engine is None
+        config = EngineConfig(slots=slots, max_len=max_len, seed=seed, **engine_options)
+        if engine is None and devices is not None and len(devices) > 1:
+            engine = EnginePool(model, config, devices, eos_ids=eos, detokenize=self.decode)
+            self._owns_engine = True
+        else:
+            self._owns_engine = engine is None
+        self.engine = engine or Engine(model, config, eos_ids=eos, detokenize=self.decode)
         self._stop_ids = frozenset(self.engine.eos_ids)
         self._end_of_turn_id = eot
         self._lock = threading.Lock()

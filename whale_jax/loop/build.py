@@ -162,12 +162,14 @@ def build(config: RunConfig, checked: Checked, *, log: Callable[[str], None] | N
 
         trainer = Trainer(model, c.train)
     concurrency = m.concurrency or 2 * m.engine_slots
-    cache_rows = m.engine_cache_rows or auto_cache_rows(
-        model.cfg, m.max_len, slots=m.engine_slots, episodes=concurrency,
-        free_bytes=free_device_bytes(), dtype=model.dtype,
+    devices = engine_devices(c)
+    n = len(devices)  # one engine per device, each with its share (checked in the preflight)
+    cache_rows = m.engine_cache_rows or n * auto_cache_rows(
+        model.cfg, m.max_len, slots=m.engine_slots // n, episodes=-(-concurrency // n),
+        free_bytes=free_device_bytes(devices[0]), dtype=model.dtype,
     )  # fmt: skip
     client = EngineClient(model, tokenizer, slots=m.engine_slots, max_len=m.max_len,
-                          seed=c.seed, cache_rows=cache_rows)  # fmt: skip
+                          seed=c.seed, cache_rows=cache_rows, devices=devices)  # fmt: skip
     exec_config = ExecutorConfig(
         concurrency=concurrency, default_settings=m.sampling(),
         run_seed=c.seed, **({"sandbox": Policy(mode=m.sandbox)} if m.sandbox else {}),
@@ -176,7 +178,8 @@ def build(config: RunConfig, checked: Checked, *, log: Callable[[str], None] | N
     mem = client.engine.memory
     say(f"model {c.model.model} loaded in {time.monotonic() - t0:.1f}s "
         f"({model.cfg.num_params() / 1e6:.1f}M parameters); engine: {m.engine_slots} "
-        f"slots, {mem['cache_rows']} cache rows of {mem['slot_bytes'] / 2**20:.1f} MiB")  # fmt: skip
+        f"slots, {mem['cache_rows']} cache rows of {mem['slot_bytes'] / 2**20:.1f} MiB"
+        + (f", over {n} devices" if n > 1 else ""))  # fmt: skip
     board = None
     if c.searches and jax.process_count() > 1:
         from whale_jax.loop.hosts import board_client
@@ -203,6 +206,13 @@ def build(config: RunConfig, checked: Checked, *, log: Callable[[str], None] | N
         metrics=MetricsLog(os.path.join(root, "metrics.jsonl")),
         mappings=MappingGuard(log=say), t_start=t_start, last_save=t_start,
     )  # fmt: skip
+
+
+def engine_devices(config: RunConfig) -> list:
+    """The local devices the rollouts run on (--engine_devices: 0 every one, N the first N)."""
+    local = jax.local_devices()
+    n = config.model.engine_devices or len(local)
+    return local[:n]
 
 
 def check_shared_checkpoints(checkpoint_dir: str) -> None:

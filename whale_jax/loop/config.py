@@ -81,6 +81,7 @@ RANGES: dict[str, Range] = {
     "arith_difficulty": Range("data.arith_difficulty", 1),
     "arith_pool": Range("data.arith_pool", 1),
     "engine_slots": Range("model.engine_slots", 1),
+    "engine_devices": Range("model.engine_devices", 0),
     "max_len": Range("model.max_len", 2),
     "concurrency": Range("model.concurrency", 0),
     "engine_cache_rows": Range("model.engine_cache_rows", 0),
@@ -154,7 +155,8 @@ class DataConfig:
 class ModelSettings:
     model: str = "smollm2"  # a directory, .gguf, hub id or "smollm2" (see whale_jax.io.load)
     dtype: str = "float32"  # engine weights and activations
-    engine_slots: int = 64
+    engine_slots: int = 64  # over all the engine's devices
+    engine_devices: int = 0  # this host's devices the rollouts use (0: every local device)
     max_len: int = 2048  # tokens per engine slot (prompt + completion of one call)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -267,6 +269,7 @@ OPERATIONAL = (
     "proposer.api_key_env",
     "model.concurrency",
     "model.engine_cache_rows",
+    "model.engine_devices",
     "model.sandbox",
 )
 

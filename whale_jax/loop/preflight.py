@@ -70,7 +70,7 @@ def preflight(config: RunConfig) -> Checked:
     plan = sched.make_plan(c, sizes["train"])
     lines.append(describe_plan(c, plan, sizes["train"]))
     found, model_cfg = check_model(c.model.model)
-    lines += ["model: " + found, memory_plan(c, model_cfg)]
+    lines += ["model: " + found, check_engine_devices(c), memory_plan(c, model_cfg)]
     lines += check_proposer(c)
     name, source = initial_harness(c, data)
     lines.append(check_harness(c, data, name, source))
@@ -155,27 +155,52 @@ def check_model(spec: str):
         raise ConfigError(f"--model={spec}: {e}") from None
 
 
-def memory_plan(c: RunConfig, model_cfg) -> str:
-    """The device memory the run's flags ask for, from the model's config: the engine's weights,
-    slots and prefix-cache rows on the engine's device, and the trainer's fp32 masters and AdamW
-    moments, which the mesh splits over its devices (activations come on top: docs/training.md)."""
+def check_engine_devices(c: RunConfig) -> str:
+    """The slots and cache rows split evenly over the engine's devices (one engine each)."""
+    import jax
+
+    local = jax.local_device_count()
+    m = c.model
+    if m.engine_devices > local:
+        raise ConfigError(f"--engine_devices={m.engine_devices}: this host has {local} devices")
+    n = m.engine_devices or local
+    for flag, value in (
+        ("engine_slots", m.engine_slots),
+        ("engine_cache_rows", m.engine_cache_rows),
+    ):
+        if value % n:
+            raise ConfigError(f"--{flag}={value}: the engine runs on {n} devices (--engine_devices"
+                              f"={m.engine_devices}) and needs a multiple of {n}")  # fmt: skip
+    return f"engine: {n} device{'s' if n > 1 else ''} ({jax.local_devices()[0].platform}), " \
+        f"{m.engine_slots // n} slots each"  # fmt: skip
+
+
+def memory_plan(c: RunConfig, model_cfg, devices: int | None = None) -> str:
+    """The device memory the run's flags ask for, from the model's config: on each engine device
+    a copy of the weights and its share of the slots and prefix-cache rows, and the trainer's
+    fp32 masters and AdamW moments, which the mesh splits over every device (activations come
+    on top: docs/training.md). ``devices``: the engine's (default: as --engine_devices says)."""
+    import jax
     import jax.numpy as jnp
 
     from whale_jax.engine.device import cache_bytes_per_slot
 
     m, gib = c.model, 2**30
+    n = devices or m.engine_devices or jax.local_device_count()
     dtype = jnp.bfloat16 if m.dtype == "bfloat16" else jnp.float32
     params = model_cfg.num_params()
     weights = params * jnp.dtype(dtype).itemsize
     slot = cache_bytes_per_slot(model_cfg, m.max_len, dtype)
-    rows = m.engine_cache_rows
+    slots, rows = m.engine_slots // n, m.engine_cache_rows // n
     cache = (f"{rows} cache rows {rows * slot / gib:.1f} GiB" if rows else
-             f"at least {m.engine_slots} cache rows {m.engine_slots * slot / gib:.1f} GiB "
+             f"at least {slots} cache rows {slots * slot / gib:.1f} GiB "
              "(--engine_cache_rows=0: more where memory allows)")  # fmt: skip
-    line = (f"memory: engine {weights / gib:.1f} GiB of {m.dtype} weights + {m.engine_slots} "
-            f"slots x {slot / 2**20:.0f} MiB = {m.engine_slots * slot / gib:.1f} GiB + {cache}")  # fmt: skip
+    where = f"on each of {n} engine devices" if n > 1 else "on the engine's device"
+    line = (f"memory {where}: {weights / gib:.1f} GiB of {m.dtype} weights + {slots} slots x "
+            f"{slot / 2**20:.0f} MiB = {slots * slot / gib:.1f} GiB + {cache}")  # fmt: skip
     if c.trains:
-        line += f"; trainer {params * 12 / gib:.1f} GiB of fp32 masters and AdamW moments"
+        line += (f"; trainer {params * 12 / gib:.1f} GiB of fp32 masters and AdamW moments "
+                 "over the mesh")  # fmt: skip
     return line
 
 
