@@ -22,12 +22,13 @@ $(TORCH_STAMP): $(STAMP)
 
 setup: $(STAMP)
 
-# Two test processes (pytest-xdist), a file's tests in one of them (its module fixtures built
-# once); each takes ~5 GB at its peak. TEST_WORKERS=0 runs the suite in this process alone.
+# Two test processes (pytest-xdist): each starts with half of the tests and takes from the other's
+# when it runs out; each takes ~6 GB at its peak. TEST_WORKERS=0 runs the suite in this process
+# alone. The slowest tests are listed at the end.
 TEST_WORKERS ?= 2
 
 test: $(TORCH_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 test-all: $(TORCH_STAMP)
 	$(PY) -m pytest -q -m ''

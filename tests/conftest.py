@@ -106,8 +106,8 @@ def assert_trees_close_to_scale(actual, desired, rel: float) -> None:
 
 
 # -- order ---------------------------------------------------------------------------------------
-# `make test` splits the suite over two processes by file (pytest-xdist, --dist loadfile), handing
-# out files in collection order: the longest files go first, so none of them runs alone at the end.
+# `make test` splits the suite over two processes (pytest-xdist): the longest files come first, so
+# none of them is left to run alone at the end.
 _LONGEST_FIRST = (
     "tests/loop/test_e2e.py",
     "tests/train/test_trainer.py",
