@@ -125,9 +125,15 @@ class EnginePool:
 
     def set_params(self, params, *, wait: bool = True) -> int:
         """Every engine's ``set_params`` (each a barrier on its own device), at once; the pool's
-        version is theirs (they move together)."""
+        version is theirs (they move together). The weights are copied to each device here, one
+        device after another: jax's move of one sharded array to several devices at once from
+        several threads is not safe (jax 0.10: a shard count mismatch)."""
+        if isinstance(params, nnx.Module):
+            _, params = nnx.split(params)
+        copies = [jax.device_put(params, e.device.shardings) for e in self.engines]
         with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
-            versions = list(pool.map(lambda e: e.set_params(params, wait=wait), self.engines))
+            versions = list(pool.map(lambda ec: ec[0].set_params(ec[1], wait=wait),
+                                     zip(self.engines, copies, strict=True)))  # fmt: skip
         if len(set(versions)) != 1:
             raise RuntimeError(f"the engines' weight versions diverged: {versions}")
         return versions[0]

@@ -28,7 +28,13 @@ import tempfile
 import time
 
 from harness.data import DataError
-from harness.endpoints import BASE_URLS, KEY_ENVS, MissingAPIKeyError, api_key_from_env
+from harness.endpoints import (
+    BASE_URLS,
+    KEY_ENVS,
+    LOOPBACK_KEY,
+    MissingAPIKeyError,
+    api_key_from_env,
+)
 from harness.executor import ExecutorConfig, load_check
 from harness.sandbox.jail import Policy
 from harness.sandbox.static_check import StaticCheckError
@@ -212,11 +218,12 @@ def check_proposer(c: RunConfig) -> list[str]:
     if p.kind in KEY_ENVS:
         var = p.api_key_env or KEY_ENVS[p.kind]
         try:
-            api_key_from_env(var, p.base_url or BASE_URLS[p.kind], f"--proposer={p.kind}")
+            key = api_key_from_env(var, p.base_url or BASE_URLS[p.kind], f"--proposer={p.kind}")
         except MissingAPIKeyError as e:
             raise ConfigError(f"--proposer_api_key_env: {e}; export it before the run "
                               "(tpu_setup/tpu.py: --pass_env)") from None  # fmt: skip
-        return [f"proposer: {p.kind} {p.model}, key in ${var}"]
+        where = "a loopback endpoint, no key" if key == LOOPBACK_KEY else f"key in ${var}"
+        return [f"proposer: {p.kind} {p.model}, {where}"]
     if p.kind == "command":
         try:
             program = shlex.split(p.command)[0]
