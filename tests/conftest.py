@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,17 @@ _guard = MappingGuard()
 def _keep_under_the_mapping_limit():
     yield
     _guard.check()
+
+
+def run_on_8_devices(script: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    """``python -c script`` from the repository root on 8 simulated CPU devices; it must exit 0."""
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc
 
 
 @pytest.fixture(scope="session")

@@ -213,10 +213,6 @@ def config_from_flags(f=F) -> cfg.RunConfig:
         except ValueError as e:
             raise cfg.ConfigError(f"{e} (flags: {', '.join('--' + x for x in flags_)})") from None
 
-    for flag in cfg.RANGES:  # before the parts' own configs check their fields
-        problem = cfg.range_error(flag, f[flag].value)
-        if problem:
-            raise cfg.ConfigError(problem)
     run_dir = f.run_dir or f"runs/{f.domain}-{f.method}-seed{f.seed}"
     # The flags of each part whose own config checks its values (named in its errors).
     rsft_flags = ("prompt_batch", "samples", "reward_threshold", "minibatch_episodes")

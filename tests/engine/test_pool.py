@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import textwrap
 
-from tests.shared.test_sharding import run_on_8_devices
+from tests.conftest import run_on_8_devices
 
 POOL_SCRIPT = textwrap.dedent(
     """

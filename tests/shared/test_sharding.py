@@ -1,13 +1,10 @@
 """The sharding table on a simulated 8-device CPU mesh: sharded forward == single-device forward."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 from jax.sharding import PartitionSpec
 
-from tests.conftest import REPO
+from tests.conftest import run_on_8_devices
 from whale_jax.sharding import logical_spec
 
 SCRIPT = textwrap.dedent(
@@ -91,18 +88,6 @@ ENGINE_SCRIPT = textwrap.dedent(
     print("RESHARDED OK")
     """
 )
-
-
-def run_on_8_devices(script: str) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=400,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 def test_engine_takes_weights_from_a_sharded_trainer():

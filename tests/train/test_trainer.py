@@ -1,8 +1,6 @@
 """The SFT update: packed == bucketed, sharded == single device, non-finite steps change nothing,
 learning raises the trained tokens' probability and the engine then samples from the new weights."""
 
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -11,7 +9,7 @@ import numpy as np
 import pytest
 
 import whale_jax
-from tests.conftest import REPO
+from tests.conftest import run_on_8_devices
 from tests.engine.conftest import assert_greedy
 from whale_jax.engine import GREEDY, Engine, EngineConfig, Request
 from whale_jax.train.rows import Row
@@ -258,16 +256,5 @@ SHARDED = textwrap.dedent(
 
 
 def test_sharded_step_equals_single_device_step():
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    import os
-
-    proc = subprocess.run(
-        [sys.executable, "-c", SHARDED],
-        cwd=REPO,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run_on_8_devices(SHARDED, timeout=600)
     assert "MAXDIFF" in proc.stdout

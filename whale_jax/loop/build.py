@@ -24,7 +24,7 @@ from whale_jax.loop.checkpoint import Checkpoints
 from whale_jax.loop.config import ConfigError, RunConfig
 from whale_jax.loop.data import DomainData
 from whale_jax.loop.metrics import MetricsLog, TensorBoard
-from whale_jax.loop.preflight import Checked
+from whale_jax.loop.preflight import Checked, engine_devices
 from whale_jax.loop.state import LoopState
 from whale_jax.sharding import process_gather_json
 from whale_jax.train.rsft import DataCursor
@@ -206,13 +206,6 @@ def build(config: RunConfig, checked: Checked, *, log: Callable[[str], None] | N
         metrics=MetricsLog(os.path.join(root, "metrics.jsonl")),
         mappings=MappingGuard(log=say), t_start=t_start, last_save=t_start,
     )  # fmt: skip
-
-
-def engine_devices(config: RunConfig) -> list:
-    """The local devices the rollouts run on (--engine_devices: 0 every one, N the first N)."""
-    local = jax.local_devices()
-    n = config.model.engine_devices or len(local)
-    return local[:n]
 
 
 def check_shared_checkpoints(checkpoint_dir: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import os
 import shutil
 from collections.abc import Callable
@@ -25,7 +26,16 @@ from harness.domains import add_domain_dir, plugin
 from harness.domains.base import DataError, DomainData
 from whale_jax.loop.config import ConfigError, DataConfig
 
-__all__ = ["DomainData", "load_domain_data", "stage"]
+__all__ = ["DomainData", "gcsfs_missing", "load_domain_data", "stage"]
+
+GCSFS_HINT = (
+    "gs:// paths need the gcsfs package (pip install gcsfs; tpu_setup/tpu.py install adds it)"
+)
+
+
+def gcsfs_missing(url: str) -> bool:
+    """A gs:// path without the package ``etils.epath`` reads it through."""
+    return url.startswith("gs://") and importlib.util.find_spec("gcsfs") is None
 
 
 def load_domain_data(cfg: DataConfig, log: Callable[[str], None] = print) -> DomainData:
@@ -56,12 +66,8 @@ def stage(source: str, dest: str, log: Callable[[str], None] = print) -> int:
     naming ``--data_dir`` when the source cannot be listed or read."""
     from etils import epath
 
-    if source.startswith("gs://"):
-        import importlib.util
-
-        if importlib.util.find_spec("gcsfs") is None:
-            raise DataError(f"--data_dir={source}: gs:// paths need the gcsfs package (pip "
-                            "install gcsfs; tpu_setup/tpu.py install adds it)")  # fmt: skip
+    if gcsfs_missing(source):
+        raise DataError(f"--data_dir={source}: {GCSFS_HINT}")
     root = epath.Path(source)
     copied = 0
     try:

@@ -20,7 +20,6 @@ Nothing is left behind: no directory is made, and each probe file is deleted onc
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import shlex
 import shutil
@@ -41,7 +40,7 @@ from harness.sandbox.static_check import StaticCheckError
 from harness.sandbox.supervisor import LoadError, SandboxUnavailable
 from whale_jax.loop import schedule as sched
 from whale_jax.loop.config import ConfigError, RunConfig
-from whale_jax.loop.data import DomainData, load_domain_data
+from whale_jax.loop.data import GCSFS_HINT, DomainData, gcsfs_missing, load_domain_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +118,8 @@ def check_directory(path: str, flag: str, *, default: bool = False) -> str:
 
 
 def _check_url(url: str, flag: str, name: str) -> str:
-    scheme = url.split("://", 1)[0]
-    if scheme == "gs" and importlib.util.find_spec("gcsfs") is None:
-        raise ConfigError(f"{name}: gs:// paths need the gcsfs package (pip install "
-                          "gcsfs; tpu_setup/tpu.py install adds it)")  # fmt: skip
+    if gcsfs_missing(url):
+        raise ConfigError(f"{name}: {GCSFS_HINT}")
     from etils import epath
 
     probe = epath.Path(url) / f".whale-probe-{os.getpid()}-{os.urandom(4).hex()}"
@@ -161,15 +158,21 @@ def check_model(spec: str):
         raise ConfigError(f"--model={spec}: {e}") from None
 
 
-def check_engine_devices(c: RunConfig) -> str:
-    """The slots and cache rows split evenly over the engine's devices (one engine each)."""
+def engine_devices(c: RunConfig) -> list:
+    """The local devices the rollouts run on (--engine_devices: 0 every one, N the first N)."""
     import jax
 
-    local = jax.local_device_count()
-    m = c.model
-    if m.engine_devices > local:
-        raise ConfigError(f"--engine_devices={m.engine_devices}: this host has {local} devices")
-    n = m.engine_devices or local
+    local = jax.local_devices()
+    if c.model.engine_devices > len(local):
+        raise ConfigError(f"--engine_devices={c.model.engine_devices}: this host has "
+                          f"{len(local)} devices")  # fmt: skip
+    return local[: c.model.engine_devices or len(local)]
+
+
+def check_engine_devices(c: RunConfig) -> str:
+    """The slots and cache rows split evenly over the engine's devices (one engine each)."""
+    m, devices = c.model, engine_devices(c)
+    n = len(devices)
     for flag, value in (
         ("engine_slots", m.engine_slots),
         ("engine_cache_rows", m.engine_cache_rows),
@@ -177,22 +180,21 @@ def check_engine_devices(c: RunConfig) -> str:
         if value % n:
             raise ConfigError(f"--{flag}={value}: the engine runs on {n} devices (--engine_devices"
                               f"={m.engine_devices}) and needs a multiple of {n}")  # fmt: skip
-    return f"engine: {n} device{'s' if n > 1 else ''} ({jax.local_devices()[0].platform}), " \
+    return f"engine: {n} device{'s' if n > 1 else ''} ({devices[0].platform}), " \
         f"{m.engine_slots // n} slots each"  # fmt: skip
 
 
-def memory_plan(c: RunConfig, model_cfg, devices: int | None = None) -> str:
+def memory_plan(c: RunConfig, model_cfg) -> str:
     """The device memory the run's flags ask for, from the model's config: on each engine device
     a copy of the weights and its share of the slots and prefix-cache rows, and the trainer's
     fp32 masters and AdamW moments, which the mesh splits over every device (activations come
-    on top: docs/training.md). ``devices``: the engine's (default: as --engine_devices says)."""
-    import jax
+    on top: docs/training.md)."""
     import jax.numpy as jnp
 
     from whale_jax.engine.device import cache_bytes_per_slot
 
     m, gib = c.model, 2**30
-    n = devices or m.engine_devices or jax.local_device_count()
+    n = len(engine_devices(c))
     dtype = jnp.bfloat16 if m.dtype == "bfloat16" else jnp.float32
     params = model_cfg.num_params()
     weights = params * jnp.dtype(dtype).itemsize
