@@ -130,6 +130,11 @@ def bare_decode_rate(model, slots: int, max_len: int, steps: int, prompt_len: in
     return round(rate, 1)
 
 
+def engine_host_s(engine) -> float:
+    t = engine.timings
+    return t["admit_s"] + t["dispatch_s"] + t["host_s"]
+
+
 def workload_shape(records) -> tuple[int, int]:
     """The bare engine's shape for a run: its calls' median prompt and mean completion length."""
     calls = [c for r in records for c in r.calls]
@@ -146,7 +151,7 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
                    prefill_batch=args.prefill_batch,
                    cache_rows=args.cache_rows, prefix_cache=cache,
                    row_moves=args.row_moves, unroll_layers=args.unroll_layers,
-                   sync_timings=args.sync_timings)  # fmt: skip
+                   pipeline=bool(args.pipeline), sync_timings=args.sync_timings)  # fmt: skip
     config = ExecutorConfig(concurrency=args.concurrency)
     tasks = make_tasks(args.session_tasks if name == "session" else args.tasks, args.seed)
     warm_tasks = make_tasks(args.warm_tasks, 1000 + args.seed) if args.warm_tasks else tasks
@@ -216,6 +221,11 @@ def run_workload(model, tokenizer, name, spec, args, cache: bool) -> dict:
         # every episode in harness code or tools).
         "engine_busy_share_of_wall": round(sum(engine.timings.values()) / wall, 3),
         "timings_s": {k: round(v, 2) for k, v in engine.timings.items()},
+        # The engine thread's own host work (admission, dispatching calls, reading their tokens:
+        # everything but waiting for the device) per model call and per sampled token.
+        "engine_host_ms_per_call": round(1e3 * engine_host_s(engine) / max(len(calls), 1), 3),
+        "engine_host_us_per_token": round(1e6 * engine_host_s(engine) / max(sampled, 1), 2),
+        "wall_ms_per_call": round(1e3 * wall / max(len(calls), 1), 3),
         "compile_counts": engine.compile_counts,
         "client_renders": dict(client.render_stats),  # rendered prompts remembered / made
         "mean_reward": round(sum(r.reward for r in records) / len(records), 4),
@@ -283,6 +293,12 @@ def main(argv=None) -> int:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run: how long a thread waiting for the GIL "
                     "waits before asking for it (Python's default 0.005 s)")  # fmt: skip
+    ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
+                    help="smollm2: SmolLM2-135M-Instruct; tiny: the CPU proxy, SmolLM2's tokenizer "
+                    "on a random 2-layer, 32-wide model (whale_jax.models.config.TINY_SMOLLM2_HF), "
+                    "whose device work is small enough that the host's shows")  # fmt: skip
+    ap.add_argument("--pipeline", type=int, choices=[0, 1], default=1,
+                    help="EngineConfig.pipeline: read each generate call's tokens one call late")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="8 tasks x 8 samples, h0 and vote")
     ap.add_argument("--out", default="benchmarks/results/rollout.json")
     args = ap.parse_args(argv)
@@ -292,12 +308,22 @@ def main(argv=None) -> int:
         sys.setswitchinterval(args.switch_interval)
     import jax
 
-    from whale_jax.io.load import load_model
+    if args.model == "tiny":
+        from whale_jax.io.gguf import find_smollm2_gguf
+        from whale_jax.io.gguf_tokenizer import tokenizer_from_gguf
+        from whale_jax.io.load import random_model
+        from whale_jax.models.config import TINY_SMOLLM2_HF, ModelConfig
 
-    model, _, tokenizer = load_model("smollm2")
+        model = random_model(ModelConfig.from_hf(TINY_SMOLLM2_HF), seed=0)
+        tokenizer = tokenizer_from_gguf(find_smollm2_gguf())
+    else:
+        from whale_jax.io.load import load_model
+
+        model, _, tokenizer = load_model("smollm2")
     specs = workloads()
     results = {
-        "benchmark": "rollouts end to end: executor + engine, SmolLM2-135M-Instruct fp32",
+        "benchmark": "rollouts end to end: executor + engine, "
+        + ("SmolLM2-135M-Instruct fp32" if args.model == "smollm2" else "the CPU proxy (tiny)"),
         "machine": {
             "python": platform.python_version(),
             "cpus": os.cpu_count(),

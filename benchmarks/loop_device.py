@@ -47,12 +47,11 @@ def write_checkpoint(config: str, out: Path) -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from tests.conftest import tiny_hf_config
     from whale_jax.io.load import random_model
     from whale_jax.io.safetensors import save_hf
-    from whale_jax.models.config import ModelConfig
+    from whale_jax.models.config import ModelConfig, tiny_qwen3_5_hf
 
-    hf = dict(AOT_MODELS[config]) if config in AOT_MODELS else tiny_hf_config(vocab_size=512)
+    hf = dict(AOT_MODELS[config]) if config in AOT_MODELS else tiny_qwen3_5_hf(vocab_size=512)
     hf["eos_token_id"] = 2  # <|im_end|> below
     model = random_model(ModelConfig.from_hf(hf), seed=0, dtype=jnp.bfloat16)
     save_hf(model, out, hf)

@@ -434,6 +434,42 @@ def test_generate_returns_early_for_waiting_requests(tiny_llama):
     engine.close()
 
 
+def test_the_pipelined_loop_samples_what_the_serial_one_does(setup):
+    """Reading each generate call's tokens one call late (the default) changes when the host
+    learns that a slot stopped, never what any request draws: more requests than slots, sampled,
+    with stop ids, stop strings and budgets, sessions parked and continued; the same tokens,
+    finish reasons, stop offsets and reused tokens as dispatch-wait-read."""
+    model, cfg, _ = setup
+    prompts = prompts_for(cfg.vocab_size, seed=21)
+    stops = [
+        SAMPLED,
+        Sampling(temperature=1.0, top_k=20, max_new_tokens=9, stop_ids=tuple(range(0, 56, 8))),
+        Sampling(temperature=1.0, max_new_tokens=9, stop_strings=("a", "e", "i", "o", "u")),
+    ]
+
+    def run(pipeline: bool):
+        config = EngineConfig(slots=3, max_len=64, steps=4, prefill_batch=4, min_kv_bucket=32,
+                              min_kept_tokens=0, cache_rows=16, pipeline=pipeline)  # fmt: skip
+        with Engine(model, config, eos_ids=(), detokenize=letters) as engine:
+            first = engine.generate([
+                Request(prompt_ids=p, sampling=stops[i % 3], identity=(i,), park=f"s{i}")
+                for i, p in enumerate(prompts)])  # fmt: skip
+            turns = [p + o.token_ids + (1, 2) for p, o in zip(prompts, first, strict=True)]
+            second = engine.generate([
+                Request(prompt_ids=t, sampling=stops[(i + 1) % 3], identity=(i, 1))
+                for i, t in enumerate(turns)])  # fmt: skip
+            outs = [(o.token_ids, o.finish_reason, o.stop_text_at, o.reused_tokens)
+                    for o in first + second]  # fmt: skip
+            return outs, dict(engine.stats)
+
+    pipelined, stats = run(True)
+    serial, serial_stats = run(False)
+    assert pipelined == serial
+    assert {o[1] for o in serial} == {"stop", "length"} and any(o[3] for o in serial[7:])
+    # Reads one call late did happen (and never without the pipeline).
+    assert stats["late_reads"] > 0 and serial_stats.get("late_reads", 0) == 0
+
+
 def test_kv_buckets_per_octave_sizes():
     from whale_jax.engine.engine import _bucket
 

@@ -11,14 +11,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from whale_jax.models.config import TINY_SMOLLM2_HF as TINY_HF
 
-TINY_HF = {
-    "model_type": "llama", "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-}  # fmt: skip
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,13 @@ HERE = Path(__file__).resolve().parent
 
 
 # The whole loop compiles the engine's and the trainer's programs and runs four evaluations, two
-# RSFT steps and a search: ~330 s on a 2-core AMD EPYC (the default per-test limit is 300 s).
+# RSFT steps and a search on a 135M model: 220-270 s of a 2-core machine, the suite's longest.
+# Slow (`make test-all`): faster tests cover each part with the tiny model, the loop
+# (tests/loop/test_run.py::test_a_whole_run: W H W, the search, its archive, the report), verified
+# episodes kept, trained and published to the engine (tests/train/test_rsft.py, the two-host run
+# in tests/loop/test_hosts.py), and the seed harnesses with SmolLM2 itself
+# (tests/harness/test_seeds_e2e.py); the demo runs this model through the loop for real.
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_whale_trains_searches_and_reports(tmp_path):
     from harness.search.phase import SearchConfig

@@ -1,5 +1,5 @@
 """Several hosts, as two processes on this machine (jax.distributed over gloo, one CPU device
-each): a weight-only run whose rollouts are host-local and whose train step is global. Every host
+each): runs whose rollouts are host-local and whose train step is global. Every host
 logs the same lines with the whole batch's counts, so their schedules cannot diverge."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from harness.files import read_json
+from tests.conftest import xla_flags
 from tests.loop.conftest import REPO, main_command, run_main, small_run_flags
 from tests.loop.test_run import metric_lines
 
@@ -39,7 +40,7 @@ def start_hosts(tmp_path, tiny_model_dir, **overrides) -> list[subprocess.Popen]
     overrides.setdefault("checkpoint_dir", str(tmp_path / "checkpoints"))  # shared, like a bucket
     overrides.setdefault("method", "weight-only")
     overrides.setdefault("reward_threshold", -1)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")  # one device per process
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())  # one device per process
     procs = []
     for i in range(2):
         args = small_run_flags(str(tmp_path / f"host{i}"), tiny_model_dir,
@@ -69,22 +70,6 @@ def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 240) -> 
 def logged(run_dir, text: str):
     log = Path(run_dir) / "run.log"
     return lambda: log.exists() and text in log.read_text()
-
-
-def test_a_weight_only_run_on_two_hosts(tiny_model_dir, tmp_path):
-    procs = start_hosts(tmp_path, tiny_model_dir)
-    outs = finish(procs)
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-3000:]
-    host0, host1 = lines_of(str(tmp_path / "host0")), lines_of(str(tmp_path / "host1"))
-    assert host0 == host1
-    steps = [x for x in host0 if x["kind"] == "rsft"]
-    assert [x["step"] for x in steps] == [1, 2, 3, 4]
-    # Each host sampled half of the batch; every line counts all of it (4 tasks x 2 samples).
-    assert all(x["tasks"] == 4 and x["episodes"] == 8 and x["kept"] == 8 for x in steps)
-    # Every step trained (the threshold keeps all) and each host's engine took the new weights.
-    assert [x["weights_version"] for x in steps] == [1, 2, 3, 4]
-    assert all(x["trained_tokens"] > 0 and x["loss"] is not None for x in steps)
 
 
 def test_sigterm_on_one_host_stops_both_at_the_same_step(tiny_model_dir, tmp_path):
@@ -133,6 +118,14 @@ def test_a_whale_run_on_two_hosts_searches_on_host_0_and_both_take_its_harness(
         assert p.returncode == 0, out[-3000:]
     host0, host1 = lines_of(str(tmp_path / "host0")), lines_of(str(tmp_path / "host1"))
     assert host0 == host1
+    steps = [x for x in host0 if x["kind"] == "rsft"]
+    assert [x["step"] for x in steps] == [1, 2, 3, 4]
+    # Rollouts are host-local, the train step global: each host sampled half of the batch, and
+    # every line counts all of it (4 tasks x 2 samples).
+    assert all(x["tasks"] == 4 and x["episodes"] == 8 and x["kept"] == 8 for x in steps)
+    # Every step trained (the threshold keeps all) and each host's engine took the new weights.
+    assert [x["weights_version"] for x in steps] == [1, 2, 3, 4]
+    assert all(x["trained_tokens"] > 0 and x["loss"] is not None for x in steps)
     phase = [x for x in host0 if x["kind"] == "harness_phase"]
     assert len(phase) == 1 and phase[0]["candidates"] > 0
     assert phase[0]["cost"]["proposer_calls"] > 0  # host 0's calls, the only ones

@@ -1,9 +1,11 @@
 """Continuous batching: a queue of requests, N decode slots, one engine thread.
 
 Callers (any number of threads) ``submit`` a ``Request`` and block on their own future. The engine
-thread loops: finish what the last ``generate`` call produced (stop ids, budgets, stop strings),
-park finished session states, admit queued requests into the free slots, then ``generate`` up to
-``steps`` tokens for all slots. A finished slot is refilled on the next iteration.
+thread loops: admit queued requests into the free slots, dispatch a ``generate`` call of up to
+``steps`` tokens for all slots, then read the call before it (stop ids, budgets, stop strings) and
+park finished session states while the new one runs: pipelined, the host learns of a call's
+tokens one call late (``EngineConfig.pipeline``; without it each call is read as it ends). A
+finished slot is refilled on the next iteration.
 
 Admission goes through the prefix cache (``prefix_cache.PrefixIndex`` over the device store): each
 request continues from the longest kept state its prompt starts with (on attention-only models,
@@ -96,7 +98,13 @@ class EngineConfig:
     # How decode-state rows move between slots and the store: "loop" (a row at a time, the
     # CPU's), "scatter" (all at once, the accelerators'); None = by backend (DeviceEngine).
     row_moves: str | None = None
-    sync_timings: bool = False  # wait for each admission's device work so timings split it out
+    # Read each generate call's tokens one call late: the next call is dispatched first, so the
+    # device decodes while the host finishes, parks and admits (JetStream's orchestrator overlaps
+    # its threads the same way). False: dispatch, wait, read (the device idles during host work).
+    pipeline: bool = True
+    # Wait for each call's device work where it is made (admission, decode), so ``timings`` split
+    # host from device time; implies no pipelining.
+    sync_timings: bool = False
 
 
 @dataclasses.dataclass
@@ -110,6 +118,17 @@ class _Job:
     tokens: list[int] = dataclasses.field(default_factory=list)
     device_tokens: int = 0  # tokens the device sampled (may run past a stop-string cut)
     reused: int = 0
+    inflight: int = 0  # generate calls dispatched with this job whose tokens are not read yet
+    done: bool = False  # finished (its future is set); later calls' tokens for it are dropped
+
+
+@dataclasses.dataclass
+class _Call:
+    """A dispatched generate call: its [slots, steps] tokens (on device until read) and the job
+    each slot held when it was dispatched."""
+
+    out: jax.Array
+    owners: list[_Job | None]
 
 
 @dataclasses.dataclass
@@ -223,6 +242,7 @@ class Engine:
         self._cv = threading.Condition()
         self._queue: collections.deque[_Job] = collections.deque()
         self._running: list[_Job | None] = [None] * c.slots
+        self._calls: collections.deque[_Call] = collections.deque()  # dispatched, not yet read
         self._pending_params = None
         self._params_requested = 0  # set_params calls so far
         self._params_done = 0  # of them, how many the engine thread has dealt with
@@ -386,16 +406,18 @@ class Engine:
             self._thread.start()
 
     def _loop(self) -> None:
+        depth = 0 if self.config.sync_timings or not self.config.pipeline else 1
         while True:
             with self._cv:
                 while not (self._closed or self._queue or self._pending_params is not None
-                           or any(self._running)):  # fmt: skip
+                           or any(self._running) or self._calls):  # fmt: skip
                     self._cv.wait()
                 if self._closed:
                     self._fail_all("engine closed")
                     return
                 params, requested = None, 0
-                if self._pending_params is not None and not any(self._running):
+                idle = not any(self._running) and not self._calls
+                if self._pending_params is not None and idle:
                     params, self._pending_params = self._pending_params, None
                     requested = self._params_requested  # later calls overwrote earlier ones
                 for name in self._forgotten:
@@ -416,10 +438,14 @@ class Engine:
                     self._swap_params(params, requested)
                 if admitted:
                     self._admit(admitted, free)
-                if any(self._running):
-                    self._step()
+                dispatched = self._dispatch()
+                # Pipelined: the call dispatched just now runs while the one before is read.
+                while self._calls and (len(self._calls) > depth or not dispatched):
+                    self.stats["late_reads"] += len(self._calls) > 1
+                    self._read(self._calls.popleft())
             except Exception as e:  # a device failure fails the requests in flight, not the engine
                 log.exception("engine step failed")
+                self._calls.clear()
                 self._fail_running(f"engine failure: {e!r}", also=admitted)
 
     def _swap_params(self, params, requested: int) -> None:
@@ -441,6 +467,7 @@ class Engine:
             self._cv.notify_all()
 
     def _finish(self, job: _Job, reason: str, *, stop_text_at: int | None = None) -> None:
+        job.done = True
         self.stats["completions"] += 1
         self.stats["generated_tokens"] += len(job.tokens)
         job.future.set_result(
@@ -705,25 +732,51 @@ class Engine:
         self.device.insert(prefix, SlotInit(**init), window=window)
 
     # -- decode ----------------------------------------------------------------------------------
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        occupied = np.array([j is not None for j in self._running])
+    def _dispatch(self) -> bool:
+        """Dispatches one generate call over the running jobs, unless every one of them is done
+        for certain once the calls in flight are (their budget met by those calls' steps)."""
         c = self.config
-        longest = max(len(j.prompt) + j.device_tokens for j in self._running if j is not None)
-        kv_len = _bucket(longest + c.steps, c.min_kv_bucket, c.max_len, c.kv_buckets_per_octave)
+        jobs = [j for j in self._running if j is not None]
+        if not any(j.device_tokens + c.steps * j.inflight < j.max_new for j in jobs):
+            return False
+        t0 = time.perf_counter()
+        # Every running job stays occupied: the device stops a slot on its own (a stop id, its
+        # budget), and a call that returned early (requests waiting) drew fewer than its steps.
+        occupied = np.array([j is not None for j in self._running])
+        # Every slot's length after this call is bounded by its budget and by the steps of the
+        # calls in flight and of this one.
+        longest = max(len(j.prompt) + min(j.max_new, j.device_tokens + c.steps * (j.inflight + 1))
+                      for j in jobs)  # fmt: skip
+        kv_len = _bucket(longest, c.min_kv_bucket, c.max_len, c.kv_buckets_per_octave)
         # Requests are waiting: come back as soon as enough slots are free for them (or a
         # fraction of the slots), instead of decoding the rest of the steps with slots idle.
         waiting = 0 if self._pending_params is not None else len(self._queue)
         want = min(waiting, max(1, c.slots // 8))
         min_active = max(0, int(occupied.sum()) - want) if want else 0
-        out = np.asarray(self.device.generate(occupied, kv_len, min_active))
+        out = self.device.generate(occupied, kv_len, min_active)
+        out.copy_to_host_async()
+        for j in jobs:
+            j.inflight += 1
+        self._calls.append(_Call(out, list(self._running)))
+        self.stats["generate_calls"] += 1
+        self.timings["dispatch_s"] += time.perf_counter() - t0
+        return True
+
+    def _read(self, call: _Call) -> None:
+        """A generate call's tokens to their jobs (waiting for the device if it is not done):
+        stop ids, budgets and stop strings end jobs; finished session states are parked."""
+        t0 = time.perf_counter()
+        out = np.asarray(call.out)
         t1 = time.perf_counter()
         self.timings["generate_s"] += t1 - t0
-        self.stats["generate_calls"] += 1
+        c = self.config
         self.stats["decode_steps"] += int((out >= 0).any(axis=0).sum())  # loop iterations run
         to_park: list[tuple[int, int, str, tuple[int, ...]]] = []
-        for slot, job in enumerate(self._running):
+        for slot, job in enumerate(call.owners):
             if job is None:
+                continue
+            job.inflight -= 1
+            if job.done:  # ended by a stop string read from an earlier call
                 continue
             drawn = out[slot]
             drawn = drawn[drawn >= 0].tolist()
@@ -747,7 +800,8 @@ class Engine:
             if job.request.park is not None and job.request.cache:
                 # The device fed every drawn token but the last; park only an exact state, and
                 # only one that holds enough tokens no kept state serves: a few are cheaper to
-                # recompute inside the next turn's resume than a whole row is to copy.
+                # recompute inside the next turn's resume than a whole row is to copy. (A call
+                # dispatched after this one leaves a stopped slot's state as it is.)
                 key = job.prompt + tuple(job.tokens[:-1])
                 exact = job.device_tokens == len(job.tokens)
                 short = exact and len(key) - self._index.served(key) < c.min_kept_tokens

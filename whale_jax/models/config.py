@@ -24,6 +24,31 @@ LINEAR = "linear_attention"
 _DENSE_TYPES = {"llama", "qwen2", "qwen3", "mistral", "smollm", "smollm2"}
 _QWEN3_5_TYPES = {"qwen3_5", "qwen3_5_text"}
 
+# SmolLM2's vocabulary and special ids on a 2-layer, 32-wide dense model: with SmolLM2's tokenizer
+# and chat template, random weights of this shape run every program in seconds (the loop tests) and
+# leave the host's work alone on the clock (the rollout benchmark's CPU proxy, --model=tiny).
+TINY_SMOLLM2_HF: dict[str, Any] = {
+    "model_type": "llama", "vocab_size": 49152, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+}  # fmt: skip
+
+
+def tiny_qwen3_5_hf(**overrides: Any) -> dict[str, Any]:
+    """A small Qwen3.5 text config (HF keys) with mixed layers and grouped value heads (Hv > Hk):
+    the tests' hybrid model and the quick runs of the device benchmarks."""
+    cfg: dict[str, Any] = dict(
+        model_type="qwen3_5_text", vocab_size=96, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=[LINEAR, FULL] * 2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5},
+    )  # fmt: skip
+    cfg.update(overrides)
+    return cfg
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeConfig:
