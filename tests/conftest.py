@@ -51,9 +51,12 @@ def _keep_under_the_mapping_limit():
     _guard.check()
 
 
-def run_on_8_devices(script: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    """``python -c script`` from the repository root on 8 simulated CPU devices; it must exit 0."""
-    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
+def run_on_devices(
+    script: str, devices: int = 8, timeout: float = 400
+) -> subprocess.CompletedProcess:
+    """``python -c script`` from the repository root on ``devices`` simulated CPU devices; it must
+    exit 0."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices}"),
                JAX_PLATFORMS="cpu")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip

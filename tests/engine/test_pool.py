@@ -1,4 +1,5 @@
-"""One engine per local device (``EnginePool``) on 8 simulated CPU devices: the tokens of one
+"""One engine per local device (``EnginePool``) on 4 simulated CPU devices (each engine compiles
+its own programs, so 8 would double the time and test nothing more): the tokens of one
 engine, greedy and sampled, first turns and continued sessions (a parked state, the prefix cache)
 alike; work spread over the devices; new weights from a sharded trainer reach every device."""
 
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import textwrap
 
-from tests.conftest import run_on_8_devices
+from tests.conftest import run_on_devices
 
 POOL_SCRIPT = textwrap.dedent(
     """
@@ -15,7 +16,7 @@ POOL_SCRIPT = textwrap.dedent(
     from whale_jax.engine import Engine, EngineConfig, Request, Sampling
     from whale_jax.engine.pool import EnginePool
     from whale_jax.sharding import make_mesh
-    assert jax.local_device_count() == 8, jax.devices()
+    assert jax.local_device_count() == 4, jax.devices()
     path = "tests/fixtures/tiny_qwen3_5"
     model = load_model(path).model
     config = EngineConfig(slots=16, max_len=96, steps=4, cache_rows=16)
@@ -48,21 +49,21 @@ POOL_SCRIPT = textwrap.dedent(
     want_one, want_two, single_stats = run(single)
     single.close()
     pool = EnginePool(model, config, jax.local_devices(), eos_ids=())
-    assert [len(e.device.state.count) for e in pool.engines] == [2] * 8  # 16 slots over 8
+    assert [len(e.device.state.count) for e in pool.engines] == [4] * 4  # 16 slots over 4
     got_one, got_two, stats = run(pool)
     assert got_one == want_one, (got_one, want_one)
     assert got_two == want_two, (got_two, want_two)
     # The second turns continued their sessions' parked states on the engine that kept them.
     assert stats["cached_tokens"] == single_stats["cached_tokens"] > 0, (stats, single_stats)
     busy = [e.stats["admitted"] for e in pool.engines]
-    assert sum(busy) == 24 and sum(b > 0 for b in busy) >= 6, busy
+    assert sum(busy) == 24 and all(b > 0 for b in busy), busy
     homes = {d for e in pool.engines for a in jax.tree.leaves(e.device.params)
              for d in a.sharding.device_set}
     assert all(len({d for a in jax.tree.leaves(e.device.params) for d in a.sharding.device_set})
                == 1 for e in pool.engines)
-    assert len(homes) == 8  # a copy of the weights on each device
-    # The trainer's weights, FSDP/TP-sharded over the same 8 devices, reach every engine.
-    trained = load_model(path, mesh=make_mesh(data=2, fsdp=2, tp=2)).model
+    assert len(homes) == 4  # a copy of the weights on each device
+    # The trainer's weights, FSDP/TP-sharded over the same 4 devices, reach every engine.
+    trained = load_model(path, mesh=make_mesh(data=1, fsdp=2, tp=2)).model
     assert pool.set_params(trained) == 1 and pool.weights_version == 1
     again = [c.token_ids for c in pool.generate(first_turns())]
     assert again == want_one, (again, want_one)
@@ -73,4 +74,4 @@ POOL_SCRIPT = textwrap.dedent(
 
 
 def test_one_engine_per_device_samples_what_one_engine_does():
-    assert "POOL OK" in run_on_8_devices(POOL_SCRIPT).stdout
+    assert "POOL OK" in run_on_devices(POOL_SCRIPT, devices=4).stdout

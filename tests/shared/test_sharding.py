@@ -4,7 +4,7 @@ import textwrap
 
 from jax.sharding import PartitionSpec
 
-from tests.conftest import run_on_8_devices
+from tests.conftest import run_on_devices
 from whale_jax.sharding import logical_spec
 
 SCRIPT = textwrap.dedent(
@@ -93,11 +93,11 @@ ENGINE_SCRIPT = textwrap.dedent(
 def test_engine_takes_weights_from_a_sharded_trainer():
     """set_params with FSDP/TP-sharded weights: moved device to device into the engine's layout,
     same samples, no recompilation."""
-    assert "RESHARDED OK" in run_on_8_devices(ENGINE_SCRIPT).stdout
+    assert "RESHARDED OK" in run_on_devices(ENGINE_SCRIPT).stdout
 
 
 def test_sharded_forward_equals_single_device():
-    proc = run_on_8_devices(SCRIPT)
+    proc = run_on_devices(SCRIPT)
     assert "MAXERR" in proc.stdout and "GDN_SPLIT_ERR" in proc.stdout
     # Heads / MLP on tp, the model dimension on fsdp.
     assert "(None, 'fsdp', 'tp', None)" in proc.stdout

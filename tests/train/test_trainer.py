@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import whale_jax
-from tests.conftest import run_on_8_devices
+from tests.conftest import run_on_devices
 from tests.engine.conftest import assert_greedy
 from whale_jax.engine import GREEDY, Engine, EngineConfig, Request
 from whale_jax.train.rows import Row
@@ -256,5 +256,5 @@ SHARDED = textwrap.dedent(
 
 
 def test_sharded_step_equals_single_device_step():
-    proc = run_on_8_devices(SHARDED, timeout=600)
+    proc = run_on_devices(SHARDED, timeout=600)
     assert "MAXDIFF" in proc.stdout
