@@ -50,6 +50,8 @@ POOL_SCRIPT = textwrap.dedent(
     single.close()
     pool = EnginePool(model, config, jax.local_devices(), eos_ids=())
     assert [len(e.device.state.count) for e in pool.engines] == [4] * 4  # 16 slots over 4
+    # Engines sharing XLA:CPU read each call as it ends (the pipeline deadlocked it there).
+    assert not any(e.config.pipeline for e in pool.engines)
     got_one, got_two, stats = run(pool)
     assert got_one == want_one, (got_one, want_one)
     assert got_two == want_two, (got_two, want_two)

@@ -66,6 +66,11 @@ class EnginePool:
             if config.cache_rows is None
             else split_evenly(config.cache_rows, n, "engine cache rows"),
             cache_bytes=None if config.cache_bytes is None else config.cache_bytes // n,
+            # Simulated CPU devices share one XLA:CPU client and its host threads: with a call in
+            # flight on each of several engines while the next is dispatched, it deadlocked (every
+            # engine thread waiting on a result that never came, 4 devices on 2 cores), so engines
+            # sharing the CPU read each call as it ends. Accelerators keep the pipeline.
+            pipeline=config.pipeline and not (n > 1 and self.devices[0].platform == "cpu"),
         )
         graphdef, state = nnx.split(model)
         self.engines = [
