@@ -31,6 +31,7 @@ to check the program anywhere. Writes ``--out`` (default benchmarks/results/benc
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import sys
@@ -151,7 +152,7 @@ def bench_prefill(model, cfg, args, limits: dict) -> dict:
             "mfu": round(flops / seconds / (limits["matmul_bf16_tflops"] * 1e12), 3)}  # fmt: skip
 
 
-def bench_train_step(hf: dict, cfg, args, limits: dict) -> dict:
+def bench_train_step(cfg, args, limits: dict) -> dict:
     import jax
     from bench_train import as_rows, make_batch, train_flops
 
@@ -176,29 +177,33 @@ def bench_train_step(hf: dict, cfg, args, limits: dict) -> dict:
             "mfu": round(flops / seconds / (limits["matmul_bf16_tflops"] * 1e12), 3)}  # fmt: skip
 
 
+def attempt(part: str, run) -> dict:
+    """``run()``'s result, or the error that stopped it (memory, mostly): recorded, and the
+    program goes on."""
+    try:
+        result = run()
+    except Exception as e:
+        traceback.print_exc()
+        result = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+    print(f"  {part}: {result}", flush=True)
+    return result
+
+
 def bench_model(name: str, args, limits: dict) -> dict:
     import jax.numpy as jnp
 
     from whale_jax.io.load import random_model
     from whale_jax.models.config import ModelConfig
 
-    hf = model_config(name)
-    cfg = ModelConfig.from_hf(hf)
+    cfg = ModelConfig.from_hf(model_config(name))
     out: dict = {"model": name, "params_b": round(cfg.num_params() / 1e9, 3)}
     model = random_model(cfg, seed=0, dtype=jnp.bfloat16)
     print(f"{name}: {out['params_b']}B parameters", flush=True)
     out["decode"] = bench_decode(model, cfg, args, limits)
-    for part, fn in (("prefill", lambda: bench_prefill(model, cfg, args, limits)),
-                     ("train", lambda: bench_train_step(hf, cfg, args, limits))):  # fmt: skip
-        if part == "train":
-            del model
-            gc.collect()
-        try:
-            out[part] = fn()
-        except Exception as e:
-            out[part] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-            traceback.print_exc()
-        print(f"  {part}: {out[part]}", flush=True)
+    out["prefill"] = attempt("prefill", functools.partial(bench_prefill, model, cfg, args, limits))
+    del model  # the train step builds its own fp32 masters
+    gc.collect()
+    out["train"] = attempt("train", functools.partial(bench_train_step, cfg, args, limits))
     return out
 
 

@@ -81,13 +81,13 @@ class EngineClient:
         self.format = chat_format or format_for(model.cfg.family, tokenizer)
         eot = self._token_id(self.format.end_of_turn)
         eos = tuple(dict.fromkeys([*model.cfg.eos_token_ids, *([eot] if eot is not None else [])]))
-        config = EngineConfig(slots=slots, max_len=max_len, seed=seed, **engine_options)
-        if engine is None and devices is not None and len(devices) > 1:
-            engine = EnginePool(model, config, devices, eos_ids=eos, detokenize=self.decode)
-            self._owns_engine = True
-        else:
-            self._owns_engine = engine is None
-        self.engine = engine or Engine(model, config, eos_ids=eos, detokenize=self.decode)
+        self._owns_engine = engine is None
+        if engine is None:
+            config = EngineConfig(slots=slots, max_len=max_len, seed=seed, **engine_options)
+            several = devices is not None and len(devices) > 1
+            engine = (EnginePool(model, config, devices, eos_ids=eos, detokenize=self.decode)
+                      if several else Engine(model, config, eos_ids=eos, detokenize=self.decode))  # fmt: skip
+        self.engine = engine
         self._stop_ids = frozenset(self.engine.eos_ids)
         self._end_of_turn_id = eot
         self._lock = threading.Lock()
