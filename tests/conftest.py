@@ -69,6 +69,26 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A checkpoint directory of the random tiny SmolLM2-shaped model (TINY_SMOLLM2_HF) with
+    SmolLM2's real tokenizer and chat template: whole programs (the loop, the server) in seconds."""
+    import json
+
+    from whale_jax.io.gguf import find_smollm2_gguf
+    from whale_jax.io.gguf_tokenizer import tokenizer_from_gguf
+    from whale_jax.io.load import random_model
+    from whale_jax.io.safetensors import save_hf
+    from whale_jax.models.config import TINY_SMOLLM2_HF, ModelConfig
+
+    out = tmp_path_factory.mktemp("tiny_smol")
+    model = random_model(ModelConfig.from_hf(TINY_SMOLLM2_HF), seed=0)
+    save_hf(model, out, TINY_SMOLLM2_HF)
+    tokenizer_from_gguf(find_smollm2_gguf()).save_pretrained(str(out))
+    (out / "config.json").write_text(json.dumps(TINY_SMOLLM2_HF))
+    return str(out)
+
+
 # A small Qwen3.5 text config with mixed layers and grouped value heads (Hv > Hk), as HF keys.
 tiny_hf_config = tiny_qwen3_5_hf
 

@@ -9,27 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from whale_jax.models.config import TINY_SMOLLM2_HF as TINY_HF
-
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
-    from whale_jax.io.gguf import find_smollm2_gguf
-    from whale_jax.io.gguf_tokenizer import tokenizer_from_gguf
-    from whale_jax.io.load import random_model
-    from whale_jax.io.safetensors import save_hf
-    from whale_jax.models.config import ModelConfig
-
-    out = tmp_path_factory.mktemp("tiny_smol")
-    model = random_model(ModelConfig.from_hf(TINY_HF), seed=0)
-    save_hf(model, out, TINY_HF)
-    tokenizer_from_gguf(find_smollm2_gguf()).save_pretrained(str(out))
-    (out / "config.json").write_text(json.dumps(TINY_HF))
-    return str(out)
 
 
 def shared_compile_cache(model: str) -> str:

@@ -337,7 +337,8 @@ class DeviceEngine:
 
     ``row_moves``: how rows move between slots and the store, ``"loop"`` (one row at a time) or
     ``"scatter"`` (all at once); None = the loop on the CPU, the scatter elsewhere (see
-    ``_copy_rows``)."""
+    ``_copy_rows``). ``hold_state=False``: no decode state or store is allocated; the caller
+    passes its own state to the module's jitted steps (``jetstream_engine``)."""
 
     def __init__(
         self,
@@ -351,6 +352,7 @@ class DeviceEngine:
         max_stop_ids: int = 8,
         unroll: bool | None = None,
         row_moves: str | None = None,
+        hold_state: bool = True,
     ):
         self.cfg = model.cfg
         self.slots, self.max_len, self.cache_rows = slots, max_len, cache_rows
@@ -361,7 +363,7 @@ class DeviceEngine:
         if row_moves not in ("loop", "scatter"):
             raise ValueError(f"row_moves must be 'loop', 'scatter' or None, got {row_moves!r}")
         self.row_moves = row_moves
-        self._loop = row_moves == "loop"
+        self.loop_moves = row_moves == "loop"
         self.graphdef, self.params = nnx.split(model)
         # The engine's layout: weights from elsewhere (a trainer's mesh) are moved into it on
         # device, so every compiled step keeps its input shardings and never recompiles.
@@ -375,8 +377,10 @@ class DeviceEngine:
         self._model_dtype = model.dtype
         self.kv = _is_kv(self.cfg.layer_types[: self.cfg.period])
         self.signatures: dict[str, set] = {}  # distinct compiled shapes per function
-        self.state = self.empty_state()
-        self.store = self.empty_store()
+        # ``hold_state=False``: the caller holds the decode state (JetStream's orchestrator passes
+        # it through every call) and there is no store.
+        self.state = self.empty_state() if hold_state else None
+        self.store = self.empty_store() if hold_state else None
 
     # -- state ---------------------------------------------------------------------------------
     def _commit(self, tree):
@@ -437,7 +441,8 @@ class DeviceEngine:
         self.params = jax.device_put(params, self.shardings)
         self.groups = _split_groups(self.params) if self.unroll else None
 
-    def _note(self, name: str, *shapes) -> None:
+    def note(self, name: str, *shapes) -> None:
+        """Records a compiled shape of ``name`` (``compile_counts``)."""
         self.signatures.setdefault(name, set()).add(shapes)
 
     @property
@@ -446,7 +451,7 @@ class DeviceEngine:
 
     # -- the five steps --------------------------------------------------------------------------
     def prefill(self, tokens_PT, lengths_P) -> Prefix:
-        self._note("prefill", tokens_PT.shape)
+        self.note("prefill", tokens_PT.shape)
         return _prefill(self.graphdef, self.params, None, tokens_PT, lengths_P)  # scanned
 
     def resume(self, rows_P, start_P, tokens_PT, n_new_P, kv_len: int | None = None) -> Prefix:
@@ -454,7 +459,7 @@ class DeviceEngine:
         or less where every layer is attention: ``partial_resume``), by their new tokens;
         ``kv_len`` bounds every row's length after them (None: the whole capacity)."""
         kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
-        self._note("resume", tokens_PT.shape, kv_len)
+        self.note("resume", tokens_PT.shape, kv_len)
         return _resume(
             self.graphdef, self.kv, kv_len, self.params, None, self.store.cache,  # scanned
             rows_P, np.asarray(start_P, np.int32), tokens_PT, n_new_P,
@@ -469,9 +474,9 @@ class DeviceEngine:
         """Keeps prefix rows (state and last-token logits) in store rows; indices past the end of
         the store are dropped (padding)."""
         _check_padding("store_put", dst_rows, self.store.logits.shape[0])
-        self._note("store_put", prefix.logits.shape[0], prefix.cache.capacity, len(src_rows))
+        self.note("store_put", prefix.logits.shape[0], prefix.cache.capacity, len(src_rows))
         self.store = _store_put(
-            self.kv, self._loop, self.store, prefix, np.asarray(src_rows, np.int32),
+            self.kv, self.loop_moves, self.store, prefix, np.asarray(src_rows, np.int32),
             np.asarray(dst_rows, np.int32),
         )  # fmt: skip
 
@@ -493,11 +498,13 @@ class DeviceEngine:
         }
         if prefix is None:
             window = self.max_len if window is None else min(window, self.max_len)
-            self._note("insert_stored", window, len(init.rows))
-            self.state = _insert_stored(self.kv, self._loop, window, self.state, self.store, arrays)
+            self.note("insert_stored", window, len(init.rows))
+            self.state = _insert_stored(
+                self.kv, self.loop_moves, window, self.state, self.store, arrays
+            )
             return
-        self._note("insert", prefix.logits.shape[0], prefix.cache.capacity, len(init.rows))
-        self.state = _insert(self.kv, self._loop, self.state, prefix, arrays)
+        self.note("insert", prefix.logits.shape[0], prefix.cache.capacity, len(init.rows))
+        self.state = _insert(self.kv, self.loop_moves, self.state, prefix, arrays)
 
     def generate(self, occupied_B, kv_len: int | None = None, min_active: int = 0) -> Array:
         """Advances every occupied, active slot by up to ``steps`` tokens; returns [B, steps] ids
@@ -505,7 +512,7 @@ class DeviceEngine:
         after the call (the host knows it); None reads the whole capacity. The call returns early
         once at most ``min_active`` slots are still active (0: when all have stopped)."""
         kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
-        self._note("generate", self.slots, kv_len)
+        self.note("generate", self.slots, kv_len)
         self.state, out = _generate(
             self.graphdef,
             self.kv,
@@ -524,9 +531,9 @@ class DeviceEngine:
         """Keeps finished slots' decode state (the first ``window`` positions) in store rows."""
         window = self.max_len if window is None else min(window, self.max_len)
         _check_padding("park", rows_M, self.store.logits.shape[0])
-        self._note("park", len(slots_M), window)
+        self.note("park", len(slots_M), window)
         self.store = _park(
-            self.kv, self._loop, window, self.store, self.state.cache,
+            self.kv, self.loop_moves, window, self.store, self.state.cache,
             np.asarray(slots_M, np.int32), np.asarray(rows_M, np.int32),
         )  # fmt: skip
 
