@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import importlib.util
 import logging
 import sys
@@ -203,17 +204,20 @@ class Tokenizer(js.tokenizer_api.Tokenizer):
         return self._bos
 
     @property
-    def stop_tokens(self) -> set[int]:
-        return set(self._stop)
+    def stop_tokens(self) -> frozenset[int]:  # read once per slot per call: not copied
+        return self._stop
 
 
-@jax.jit
-def _result_tokens(out_BS, count_B):
-    """[B, steps] ids (-1: none drawn) and [B] counts -> JetStream's one array: tokens, validity,
-    length."""
-    return jnp.concatenate(
-        [jnp.maximum(out_BS, 0), (out_BS >= 0).astype(jnp.int32), count_B[:, None]], axis=1
-    )
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=7)
+def _generate_tokens(graphdef, kv, steps, max_top_k, kv_len, params, groups, state):
+    """``device._generate`` for every slot, its [B, steps] ids (-1: none drawn) and the slots'
+    counts in JetStream's one array (tokens, validity, length): one call, one copy to the host."""
+    occupied_B = jnp.ones(state.count.shape, bool)
+    state, out_BS = _generate(graphdef, kv, steps, max_top_k, kv_len, params, groups, state,
+                              occupied_B, jnp.int32(0))  # fmt: skip
+    valid_BS = (out_BS >= 0).astype(jnp.int32)
+    data = jnp.concatenate([jnp.maximum(out_BS, 0), valid_BS, state.count[:, None]], axis=1)
+    return state, data
 
 
 class JetStreamEngine(js.engine_api.Engine):
@@ -384,13 +388,13 @@ class JetStreamEngine(js.engine_api.Engine):
         self._bound = np.minimum(self._bound + dev.steps, dev.max_len)
         kv_len = _bucket(int(self._bound.max()), self._min_kv, dev.max_len, 2)
         dev.note("generate", dev.slots, kv_len)
-        state, out = _generate(
+        state, data = _generate_tokens(
             dev.graphdef, dev.kv, dev.steps, dev.max_top_k, kv_len, params.params, params.groups,
-            decode_state, np.ones(dev.slots, bool), np.int32(0),
+            decode_state,
         )  # fmt: skip
         S = dev.steps
         result = js.engine_api.ResultTokens(
-            data=_result_tokens(out, state.count),
+            data=data,
             tokens_idx=(0, S),
             valid_idx=(S, 2 * S),
             length_idx=(2 * S, 2 * S + 1),
