@@ -52,7 +52,7 @@ ROOMS = {
     "harness": ["contract", "sandbox", "domains", "executor", "search"],
     "whale_jax": ["models", "shared", "io", "engine", "train", "loop", "programs"],
 }
-PROGRAMS = {"main", "generate", "fetch_data", "export"}
+PROGRAMS = {"main", "generate", "fetch_data", "export", "serve"}
 
 
 def room_of(module: str, path: str = "") -> str | None:

@@ -52,6 +52,8 @@ POOL_SCRIPT = textwrap.dedent(
     assert [len(e.device.state.count) for e in pool.engines] == [4] * 4  # 16 slots over 4
     # Engines sharing XLA:CPU read each call as it ends (the pipeline deadlocked it there).
     assert not any(e.config.pipeline for e in pool.engines)
+    # ... and take turns (one lock for all): running at once they hung now and then.
+    assert len({id(e.device_lock) for e in pool.engines}) == 1
     got_one, got_two, stats = run(pool)
     assert got_one == want_one, (got_one, want_one)
     assert got_two == want_two, (got_two, want_two)

@@ -30,12 +30,14 @@ notices it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import jax
 import numpy as np
@@ -208,6 +210,9 @@ class Engine:
         self.cfg = model.cfg
         self.eos_ids = tuple(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.detokenize = detokenize
+        # Held around each iteration's device work; an EnginePool over simulated CPU devices
+        # shares one lock among its engines (see pool.py).
+        self.device_lock: Any = contextlib.nullcontext()
         slot_bytes = cache_bytes_per_slot(self.cfg, c.max_len, model.dtype)
         if c.cache_rows is not None and c.cache_bytes is not None:
             raise ValueError("give cache_rows or cache_bytes, not both")
@@ -434,15 +439,16 @@ class Engine:
                     free = []  # the barrier: drain the running requests on the old weights first
                 admitted = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
             try:
-                if params is not None:
-                    self._swap_params(params, requested)
-                if admitted:
-                    self._admit(admitted, free)
-                dispatched = self._dispatch()
-                # Pipelined: the call dispatched just now runs while the one before is read.
-                while self._calls and (len(self._calls) > depth or not dispatched):
-                    self.stats["late_reads"] += len(self._calls) > 1
-                    self._read(self._calls.popleft())
+                with self.device_lock:
+                    if params is not None:
+                        self._swap_params(params, requested)
+                    if admitted:
+                        self._admit(admitted, free)
+                    dispatched = self._dispatch()
+                    # Pipelined: the call dispatched just now runs while the one before is read.
+                    while self._calls and (len(self._calls) > depth or not dispatched):
+                        self.stats["late_reads"] += len(self._calls) > 1
+                        self._read(self._calls.popleft())
             except Exception as e:  # a device failure fails the requests in flight, not the engine
                 log.exception("engine step failed")
                 self._calls.clear()

@@ -79,6 +79,14 @@ class EnginePool:
             for d in self.devices
         ]  # fmt: skip
         self.eos_ids = self.engines[0].eos_ids
+        if n > 1 and self.devices[0].platform == "cpu":
+            # Even reading each call as it ends, engines running programs at once on simulated
+            # CPU devices hung now and then (1 run in 3-6 of the 4-device pool test, every engine
+            # thread waiting on its call's result): they share one XLA:CPU client and its threads.
+            # There they take turns: one engine's admission, call and read at a time.
+            shared = threading.Lock()
+            for engine in self.engines:
+                engine.device_lock = shared
         self._lock = threading.Lock()
         self._in_flight = [0] * n
         self._owner: dict[str, int] = {}  # park name -> the engine that holds its state
