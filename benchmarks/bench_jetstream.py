@@ -12,9 +12,12 @@ Both serve the same token-level requests, greedy, no stop id (so every request r
 Workloads: ``distinct`` (every prompt different) and ``shared`` (each prompt sampled ``--n`` times,
 as WHALE samples a task: our prefix cache prefills it once; JetStream prefills every request).
 Every run draws new prompts (none is in our prefix cache from an earlier run). Each case runs once
-to compile, then ``--repeats`` times timed; reported: requests/s and new
-tokens/s (median), process CPU seconds per request, beside the bare decode rate (every slot
-decoding, no admission) of the same model and slot count.
+to compile, then ``--repeats`` times back to back, not round-robin as ``common.time_cases`` runs
+cases: JetStream's generate thread runs up to 8 calls ahead of the tokens it has returned, so its
+device work outlives the request that made it and lands on whatever runs next (tried: our
+shared-prompt case took 2.0-2.1 s after JetStream's 8-step case and 1.4 s after its 1-step one).
+Reported: requests/s and new tokens/s (median), process CPU seconds per request, beside the bare
+decode rate (every slot decoding, no admission) of the same model and slot count.
 
     .venv/bin/python benchmarks/bench_jetstream.py [--model tiny|smollm2] [--quick]
 """

@@ -48,13 +48,6 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 or [::]:
 flags.DEFINE_integer("port", 9000, "Port to listen on (0: a free one, printed at start).")
 
 
-def build_engines(model, tokenizer, devices, **options):
-    """One ``JetStreamEngine`` per device, each with its own copy of the weights."""
-    from whale_jax.engine.jetstream_engine import JetStreamEngine
-
-    return [JetStreamEngine(model, tokenizer, device=d, **options) for d in devices]
-
-
 async def serve(driver, host: str, port: int) -> None:
     """JetStream's ``Orchestrator`` service over ``driver`` on ``host:port`` until SIGINT or
     SIGTERM."""
@@ -87,7 +80,7 @@ def main(argv) -> None:
     import jax
     import jax.numpy as jnp
 
-    from whale_jax.engine.jetstream_engine import make_driver
+    from whale_jax.engine.jetstream_engine import JetStreamEngine, make_driver
     from whale_jax.io.load import load_model
 
     local = jax.local_devices()
@@ -105,12 +98,13 @@ def main(argv) -> None:
         raise app.UsageError(f"--model={FLAGS.model}: its tokenizer has {len(tokenizer)} ids, "
                              f"more than the model's vocabulary of {cfg.vocab_size}")  # fmt: skip
     try:
-        engines = build_engines(
-            model, tokenizer, local[: FLAGS.devices], slots=FLAGS.slots, max_len=FLAGS.max_len,
+        # One engine per device, each with its own copy of the weights.
+        engines = [JetStreamEngine(
+            model, tokenizer, device=device, slots=FLAGS.slots, max_len=FLAGS.max_len,
             steps=FLAGS.steps, max_prefill_length=FLAGS.max_prefill_length or None,
             temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
             seed=FLAGS.seed, add_bos=FLAGS.add_bos,
-        )  # fmt: skip
+        ) for device in local[: FLAGS.devices]]  # fmt: skip
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     driver = make_driver(engines, prefill=FLAGS.prefill_devices)

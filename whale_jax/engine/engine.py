@@ -37,7 +37,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
 
 import jax
 import numpy as np
@@ -196,7 +195,8 @@ def _batches(n: int, most: int) -> list[int]:
 
 
 class Engine:
-    """The rollout engine. ``detokenize`` (ids -> text) is needed only for stop strings."""
+    """The rollout engine. ``detokenize`` (ids -> text) is needed only for stop strings;
+    ``device_lock``, where given, is held around each loop iteration's device work."""
 
     def __init__(
         self,
@@ -205,14 +205,15 @@ class Engine:
         *,
         eos_ids: Sequence[int] | None = None,
         detokenize: Callable[[Sequence[int]], str] | None = None,
+        device_lock: threading.Lock | None = None,
     ):
         self.config = c = config
         self.cfg = model.cfg
         self.eos_ids = tuple(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.detokenize = detokenize
-        # Held around each iteration's device work; an EnginePool over simulated CPU devices
-        # shares one lock among its engines (see pool.py).
-        self.device_lock: Any = contextlib.nullcontext()
+        # Held around each iteration's device work: an EnginePool over simulated CPU devices
+        # gives its engines one lock to take turns (see pool.py).
+        self.device_lock = device_lock or contextlib.nullcontext()
         slot_bytes = cache_bytes_per_slot(self.cfg, c.max_len, model.dtype)
         if c.cache_rows is not None and c.cache_bytes is not None:
             raise ValueError("give cache_rows or cache_bytes, not both")

@@ -63,7 +63,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from whale_jax.engine.device import DeviceEngine, Prefix, _generate, _insert, _prefill
-from whale_jax.engine.engine import _bucket
+from whale_jax.engine.engine import EngineConfig, _bucket
 from whale_jax.engine.sampling import request_key
 from whale_jax.models.transformer import Transformer
 
@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 INSTALL = "pip install -e '.[jetstream]' && pip install --no-deps 'google-jetstream==0.2.2'"
 NO_BOS = -1  # the BOS id our tokenizer reports unless add_bos: prefill drops it again
 PREFILL_LENGTHS = tuple(16 << k for k in range(12))  # JetStream's buckets (token_utils)
+BUCKETS = EngineConfig()  # our prompt-length and KV-window buckets: the WHALE engine's defaults
 
 
 def _seqio_names() -> None:
@@ -115,8 +116,8 @@ def _array_tokens(pad_tokens):
 
 
 def import_jetstream() -> types.SimpleNamespace:
-    """JetStream's ``engine_api``, ``orchestrator``, ``tokenizer_api`` and ``tokenizer_pb2``
-    modules, made to run on today's jax without seqio (see the module docstring)."""
+    """JetStream's ``engine_api``, ``orchestrator``, ``token_utils``, ``tokenizer_api``,
+    ``tokenizer_pb2`` and gRPC modules, made to run on today's jax without seqio (see the module docstring)."""
     if importlib.util.find_spec("jetstream") is None:
         raise ImportError(f"JetStream is not installed; install the extra: {INSTALL}")
     if importlib.util.find_spec("seqio") is None:
@@ -139,6 +140,7 @@ def import_jetstream() -> types.SimpleNamespace:
     return types.SimpleNamespace(
         engine_api=engine_api,
         orchestrator=orchestrator,
+        token_utils=token_utils,
         tokenizer_api=tokenizer_api,
         tokenizer_pb2=tokenizer_pb2,
         jetstream_pb2=jetstream_pb2,
@@ -176,17 +178,12 @@ class Tokenizer(js.tokenizer_api.Tokenizer):
         self._bos, self._max_prefill = bos_id, max_prefill_length
 
     def encode(self, s: str, **kwargs):
-        ids = list(self._tok.encode(s, add_special_tokens=False))
-        if kwargs.get("is_bos", True):
-            ids = [self._bos, *ids]
-        length = len(ids)
-        bucket = next((b for b in PREFILL_LENGTHS if b >= length), self._max_prefill)
-        bucket = min(bucket, self._max_prefill)
-        if length > bucket:  # JetStream's rule: keep the last tokens (prefill logs it)
-            padded = np.asarray(ids[-bucket:], np.int32)
-        else:
-            padded = np.pad(np.asarray(ids, np.int32), (0, bucket - length))
-        return (jnp.asarray(padded) if kwargs.get("jax_padding", True) else padded), length
+        """Padded like a token request (JetStream's ``pad_tokens``), BOS rule included."""
+        ids = np.asarray(self._tok.encode(s, add_special_tokens=False), np.int64)
+        return js.token_utils.pad_tokens(
+            ids, self._bos, self.pad_id, is_bos=kwargs.get("is_bos", True),
+            max_prefill_length=self._max_prefill, jax_padding=kwargs.get("jax_padding", True),
+        )  # fmt: skip
 
     def decode(self, token_ids, **kwargs) -> str:
         return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=False)
@@ -243,8 +240,6 @@ class JetStreamEngine(js.engine_api.Engine):
         stop_ids=None,
         add_bos: bool = False,
         device=None,
-        min_bucket: int = 16,
-        min_kv_bucket: int = 64,
     ):
         if device is not None:
             graphdef, state = nnx.split(model)
@@ -277,11 +272,7 @@ class JetStreamEngine(js.engine_api.Engine):
         self._stop[0, : len(stop)] = stop
         self._sampling = (np.float32(temperature), np.int32(top_k), np.float32(top_p))
         self._seed, self._inserts = seed, 0
-        self._max_prefill, self._min_bucket, self._min_kv = (
-            max_prefill_length,
-            min_bucket,
-            min_kv_bucket,
-        )
+        self._max_prefill = max_prefill_length
         self._tokenizer = Tokenizer(
             tokenizer,
             stop_ids=stop,
@@ -358,7 +349,7 @@ class JetStreamEngine(js.engine_api.Engine):
                       self.cfg.vocab_size)  # fmt: skip
             tokens = np.clip(tokens, 0, self.cfg.vocab_size - 1)
         n = max(int(tokens.size), 1)  # an empty prompt: one pad token (JetStream allows it)
-        T = _bucket(n, self._min_bucket, self._dev.max_len, 2)
+        T = _bucket(n, BUCKETS.min_bucket, self._dev.max_len, BUCKETS.length_buckets_per_octave)
         padded = np.zeros((1, T), np.int32)
         padded[0, : tokens.size] = tokens
         self._dev.note("prefill", padded.shape)
@@ -386,7 +377,8 @@ class JetStreamEngine(js.engine_api.Engine):
     def generate(self, params: Weights, decode_state):
         dev = self._dev
         self._bound = np.minimum(self._bound + dev.steps, dev.max_len)
-        kv_len = _bucket(int(self._bound.max()), self._min_kv, dev.max_len, 2)
+        kv_len = _bucket(int(self._bound.max()), BUCKETS.min_kv_bucket, dev.max_len,
+                         BUCKETS.kv_buckets_per_octave)  # fmt: skip
         dev.note("generate", dev.slots, kv_len)
         state, data = _generate_tokens(
             dev.graphdef, dev.kv, dev.steps, dev.max_top_k, kv_len, params.params, params.groups,

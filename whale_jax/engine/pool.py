@@ -59,6 +59,14 @@ class EnginePool:
             raise ValueError("an engine pool needs at least one device")
         self.config, self.cfg, self.devices = config, model.cfg, tuple(devices)
         n = len(self.devices)
+        # Simulated CPU devices share one XLA:CPU client and its host threads. With a call in
+        # flight on each of several engines while the next was dispatched it deadlocked (every
+        # engine thread waiting on a result that never came, 4 devices on 2 cores), and even with
+        # each call read as it ends, engines running at once hung now and then (1 run in 3-6 of
+        # the 4-device pool test). There the engines take turns: each reads its calls as they end,
+        # under one lock held around an iteration's admission, call and read, so no program is
+        # in flight outside it. Accelerators keep the pipeline and run freely.
+        shares_cpu = n > 1 and self.devices[0].platform == "cpu"
         per = dataclasses.replace(
             config,
             slots=split_evenly(config.slots, n, "engine slots"),
@@ -66,27 +74,16 @@ class EnginePool:
             if config.cache_rows is None
             else split_evenly(config.cache_rows, n, "engine cache rows"),
             cache_bytes=None if config.cache_bytes is None else config.cache_bytes // n,
-            # Simulated CPU devices share one XLA:CPU client and its host threads: with a call in
-            # flight on each of several engines while the next is dispatched, it deadlocked (every
-            # engine thread waiting on a result that never came, 4 devices on 2 cores), so engines
-            # sharing the CPU read each call as it ends. Accelerators keep the pipeline.
-            pipeline=config.pipeline and not (n > 1 and self.devices[0].platform == "cpu"),
+            pipeline=config.pipeline and not shares_cpu,
         )
+        turns = threading.Lock() if shares_cpu else None
         graphdef, state = nnx.split(model)
         self.engines = [
             Engine(nnx.merge(graphdef, jax.device_put(state, d)), per, eos_ids=eos_ids,
-                   detokenize=detokenize)
+                   detokenize=detokenize, device_lock=turns)
             for d in self.devices
         ]  # fmt: skip
         self.eos_ids = self.engines[0].eos_ids
-        if n > 1 and self.devices[0].platform == "cpu":
-            # Even reading each call as it ends, engines running programs at once on simulated
-            # CPU devices hung now and then (1 run in 3-6 of the 4-device pool test, every engine
-            # thread waiting on its call's result): they share one XLA:CPU client and its threads.
-            # There they take turns: one engine's admission, call and read at a time.
-            shared = threading.Lock()
-            for engine in self.engines:
-                engine.device_lock = shared
         self._lock = threading.Lock()
         self._in_flight = [0] * n
         self._owner: dict[str, int] = {}  # park name -> the engine that holds its state
