@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from tests.loop.conftest import (
     run_main,
     small_run_flags,
 )
+from whale_jax.engine import warmup
 
 
 def shape(lines: list[dict]) -> list[tuple]:
@@ -83,12 +85,17 @@ def test_a_whole_run(baseline, tiny_model_dir):
     assert os.path.exists(os.path.join(run_dir, "report", "mean_at_k.png"))
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
     assert os.listdir(os.path.join(run_dir, "compile_cache"))  # a resume loads, not compiles
+    # ... and warms, before its first rollout, the engine shapes the run met.
+    shapes = warmup.read_record(os.path.join(run_dir, warmup.RECORD_FILE))
+    assert {"prefill", "insert", "generate"} <= set(shapes) and shapes["generate"]
     phase = os.path.join(run_dir, "archive", "phase-001")
     assert os.path.exists(os.path.join(phase, "accepted.json"))
     # Finished runs stay finished: a rerun does no work.
     again = run_main(small_run_flags(run_dir, tiny_model_dir))
     assert again.returncode == 0 and "already finished" in again.stdout
     assert len(metric_lines(run_dir)) == len(lines)
+    assert "engine warm-up" not in again.stdout  # nothing to roll out
+    assert warmup.read_record(os.path.join(run_dir, warmup.RECORD_FILE)) == shapes  # kept
 
 
 def test_changed_config_on_resume_is_refused(baseline, tiny_model_dir):
@@ -116,6 +123,8 @@ def test_kill_9_at_several_points_then_resume(baseline, tiny_model_dir, tmp_path
     done = run_main(args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "resumed from checkpoint" in done.stdout
+    # The last start warmed what its earlier selves met before it rolled anything out.
+    assert re.search(r"engine warm-up: \d+ programs ready", done.stdout), done.stdout[-3000:]
     lines = metric_lines(run_dir)
     assert shape(lines) == shape(metric_lines(base_dir))  # nothing lost, nothing twice
     assert archive_listing(run_dir) == archive_listing(base_dir)

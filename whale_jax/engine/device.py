@@ -313,6 +313,12 @@ def _insert_stored(kv, loop, window, state: DecodeState, store: Prefix, init: di
     return _insert_rows(kv, loop, state, store, init, window)
 
 
+def _abstract(tree):
+    """Shape, dtype and sharding of every array of ``tree``: a jitted step's arguments, for
+    ``lower`` (None stays None)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
 def _check_padding(name: str, dst, limit: int) -> None:
     """Row moves take the real entries (destination inside [0, limit)) first, padding (past the
     end) after them."""
@@ -536,6 +542,71 @@ class DeviceEngine:
             self.kv, self.loop_moves, window, self.store, self.state.cache,
             np.asarray(slots_M, np.int32), np.asarray(rows_M, np.int32),
         )  # fmt: skip
+
+    # -- ahead-of-time compiles -----------------------------------------------------------------
+    def compile_ahead(self, name: str, signature: tuple) -> None:
+        """Compiles step ``name`` for ``signature`` (as ``note`` records it) without running it:
+        the abstract arguments carry the shardings the real call's arrays have, so a later call
+        with that signature finds the program in jax's cache and runs it at once (and the
+        persistent compilation cache, where it is on, keeps it for the next process)."""
+        i32 = jnp.int32
+
+        def arg(shape, dtype=i32):  # a host array of the call (numpy: no sharding of its own)
+            return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+        def init(m):
+            return {"rows": arg((m,)), "slots": arg((m,)), "max_new": arg((m,)),
+                    "stop_ids": arg((m, self.max_stop_ids)), "temperature": arg((m,), jnp.float32),
+                    "top_k": arg((m,)), "top_p": arg((m,), jnp.float32),
+                    "key": arg((m, 2), jnp.uint32)}  # fmt: skip
+
+        params, kv, loop = _abstract(self.params), self.kv, self.loop_moves
+        if name == "prefill":
+            ((P, T),) = signature
+            lowered = _prefill.lower(self.graphdef, params, None, arg((P, T)), arg((P,)))
+        elif name == "resume":
+            (P, T), kv_len = signature
+            lowered = _resume.lower(
+                self.graphdef, kv, kv_len, params, None, _abstract(self.store.cache),
+                arg((P,)), arg((P,)), arg((P, T)), arg((P,)),
+            )  # fmt: skip
+        elif name == "generate":
+            B, kv_len = signature
+            lowered = _generate.lower(
+                self.graphdef, kv, self.steps, self.max_top_k, kv_len, params,
+                _abstract(self.groups), _abstract(self.state), arg((B,), bool), arg(()),
+            )  # fmt: skip
+        elif name == "park":
+            M, window = signature
+            lowered = _park.lower(kv, loop, window, _abstract(self.store),
+                                  _abstract(self.state.cache), arg((M,)), arg((M,)))  # fmt: skip
+        elif name == "insert_stored":
+            window, M = signature
+            lowered = _insert_stored.lower(kv, loop, window, _abstract(self.state),
+                                           _abstract(self.store), init(M))  # fmt: skip
+        elif name in ("insert", "store_put"):
+            P, cap, M = signature
+            prefix = self._prefix_spec(P, cap)
+            if name == "insert":
+                lowered = _insert.lower(kv, loop, _abstract(self.state), prefix, init(M))
+            else:
+                lowered = _store_put.lower(kv, loop, _abstract(self.store), prefix, arg((M,)),
+                                           arg((M,)))  # fmt: skip
+        else:
+            raise ValueError(f"no engine step {name!r}")
+        lowered.compile()
+
+    def _prefix_spec(self, P: int, capacity: int) -> Prefix:
+        """The abstract ``Prefix`` a prefill of P rows (or a resume over a KV window of
+        ``capacity``: the same arrays) hands to ``insert`` and ``store_put``, placed as the
+        jitted steps place their outputs: on the engine's one device."""
+        if self._home is None:
+            raise ValueError("compiling insert or store_put ahead needs an engine on one device")
+        out = _prefill.eval_shape(self.graphdef, _abstract(self.params), None,
+                                  jax.ShapeDtypeStruct((P, capacity), jnp.int32),
+                                  jax.ShapeDtypeStruct((P,), jnp.int32))  # fmt: skip
+        home = self._home
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=home), out)
 
     # -- memory ----------------------------------------------------------------------------------
     def slot_bytes(self) -> int:

@@ -35,12 +35,13 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 
 import jax
 import numpy as np
 
+from whale_jax.engine import warmup
 from whale_jax.engine.device import (
     DeviceEngine,
     Prefix,
@@ -273,6 +274,7 @@ class Engine:
                  slot_bytes / 2**20, self.memory)  # fmt: skip
         self.stats = collections.Counter()
         self.timings = collections.defaultdict(float)
+        self._warmed: set[tuple[str, tuple]] = set()  # compiled ahead by warm_up
 
     # -- public API ------------------------------------------------------------------------------
     def submit(self, request: Request) -> Future:
@@ -350,6 +352,77 @@ class Engine:
     @property
     def compile_counts(self) -> dict[str, int]:
         return self.device.compile_counts
+
+    # -- compiling ahead (warmup.py) -------------------------------------------------------------
+    def shape_space(self) -> warmup.Shapes:
+        """Every signature each jitted step can meet under this engine's configuration, as
+        ``DeviceEngine.note`` records it: the buckets ``_compute``, ``_insert_stored``,
+        ``_dispatch`` and ``_read`` pad to, over every prompt length the context allows."""
+        c, L, B = self.config, self.config.max_len, self.config.slots
+        rows = sorted({_pow2(size) for size in range(1, c.prefill_batch + 1)})
+        prompt = sorted({self._length_bucket(n, False) for n in range(1, L)})
+        new = sorted({self._length_bucket(n, True) for n in range(1, L)})
+        kv = sorted({_bucket(n, c.min_kv_bucket, L, c.kv_buckets_per_octave)
+                     for n in range(1, L + 1)})  # fmt: skip
+        windows = sorted({_bucket(n, c.min_kv_bucket, L) for n in range(1, L)})
+        capacities = sorted({*prompt, *kv})  # a prefill's prefix holds T, a resume's its window
+        return {
+            "generate": {(B, n) for n in kv},
+            "prefill": {((P, T),) for P in rows for T in prompt},
+            "resume": {((P, T), n) for P in rows for T in new for n in kv},
+            "insert": {(P, cap, B) for P in rows for cap in capacities},
+            "store_put": {(P, cap, P) for P in rows for cap in capacities},
+            "insert_stored": {(w, B) for w in windows},
+            "park": {(B, w) for w in windows},
+        }
+
+    def shape_record(self) -> warmup.Shapes:
+        """The shapes this engine's calls met (not those it only compiled ahead): a record for
+        a later warm-up."""
+        return {name: set(sigs) for name, sigs in self.device.signatures.items()}
+
+    def warm_tasks(self, record: Mapping[str, Iterable] | None = None, *,
+                   everything: bool = False) -> tuple[list, int]:  # fmt: skip
+        """(compile tasks, shapes of ``record`` outside ``shape_space``) for ``warm_up``: the
+        record's shapes, and with ``everything`` all of ``shape_space`` but the resumes (and
+        the prefix cache's own steps where it is off); shapes met or warmed before are left
+        out."""
+        space = self.shape_space()
+        wanted: list[tuple[str, tuple]] = []
+        unfit = 0
+        for name, sigs in (record or {}).items():
+            for sig in sigs:
+                sig = warmup.as_signature(sig)
+                if sig in space.get(name, ()):
+                    wanted.append((name, sig))
+                else:
+                    unfit += 1
+        if everything:
+            skip = {"resume"} | (set() if self.config.prefix_cache else
+                                 {"store_put", "insert_stored"})  # fmt: skip
+            wanted += [(n, sig) for n in warmup.ORDER if n not in skip for sig in space[n]]
+        done = self.device.signatures
+        tasks, seen = [], set()
+        # Decode first (every rollout meets it), then by size: the small shapes come first.
+        for name, sig in sorted(wanted, key=lambda w: (warmup.ORDER.index(w[0]), w[1])):
+            if (name, sig) in seen or sig in done.get(name, ()) or (name, sig) in self._warmed:
+                continue
+            seen.add((name, sig))
+            tasks.append((self._compile_one, name, sig))
+        return tasks, unfit
+
+    def _compile_one(self, name: str, sig: tuple) -> None:
+        self.device.compile_ahead(name, sig)
+        self._warmed.add((name, sig))
+
+    def warm_up(self, record: Mapping[str, Iterable] | None = None, *, everything: bool = False,
+                workers: int | None = None, progress=None) -> dict:  # fmt: skip
+        """Compiles ahead, before any request, the shapes of ``record`` (a run's earlier
+        ``shape_record``) and with ``everything`` every shape the configuration allows but the
+        resumes, on ``workers`` threads (default: the host's cores, at most 8). Returns counts:
+        compiled, failed, unfit (record shapes this configuration cannot meet), seconds."""
+        return warmup.warm([self], record, everything=everything, workers=workers,
+                           progress=progress)  # fmt: skip
 
     def forget(self, name: str) -> None:
         """Drops the state a session parked under ``name`` (the session is over)."""

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from whale_jax.engine import warmup
 from whale_jax.engine.engine import Engine, EngineConfig
 from whale_jax.engine.requests import Completion, Request
 from whale_jax.models.transformer import Transformer
@@ -172,6 +173,17 @@ class EnginePool:
     def compile_counts(self) -> dict[str, int]:
         return dict(sum((collections.Counter(e.compile_counts) for e in self.engines),
                         collections.Counter()))  # fmt: skip
+
+    def shape_record(self) -> dict[str, set]:
+        """The shapes the engines met (one record: each engine has the same configuration)."""
+        return warmup.merge(*(e.shape_record() for e in self.engines))
+
+    def warm_up(self, record=None, *, everything: bool = False, workers: int | None = None,
+                progress=None) -> dict:  # fmt: skip
+        """``Engine.warm_up`` for every engine (a program compiles once per device), all on one
+        pool of ``workers`` threads."""
+        return warmup.warm(self.engines, record, everything=everything, workers=workers,
+                           progress=progress)  # fmt: skip
 
     @property
     def stats(self) -> collections.Counter:

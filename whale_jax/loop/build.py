@@ -208,6 +208,48 @@ def build(config: RunConfig, checked: Checked, *, log: Callable[[str], None] | N
     )  # fmt: skip
 
 
+def warm_up(engine, root: str, mode: str, workers: int, say: Callable[[str], None]) -> None:
+    """Compiles the engine's programs before the first rollout (--engine_warm_up): the shapes
+    this run met before it stopped (its record in the run directory), and with "all" every
+    shape the flags allow but the resumes. A record that cannot be read is reported and left
+    for the run to overwrite; the run goes on either way."""
+    if mode == "off":
+        return
+    from whale_jax.engine import warmup
+
+    path = os.path.join(root, warmup.RECORD_FILE)
+    try:
+        record = warmup.read_record(path)
+    except warmup.RecordError as e:
+        say(f"engine warm-up: {e}; warming without it (the run writes a new one)")
+        record = None
+    if record is None and mode != "all":
+        return
+    what = [f"the {sum(map(len, record.values()))} shapes this run met before"] if record else []
+    if mode == "all":
+        what.append("every shape the flags allow but the resumes")
+    say(f"engine warm-up: compiling {' and '.join(what)}, before the first rollout...")
+    result = engine.warm_up(record, everything=mode == "all", workers=workers or None)
+    say(f"engine warm-up: {result['compiled']} programs ready in {result['seconds']:.1f}s"
+        + (f"; {result['failed']} failed (compiled when met)" if result["failed"] else "")
+        + (f"; {result['unfit']} recorded shapes do not fit these flags (skipped)"
+           if result["unfit"] else ""))  # fmt: skip
+
+
+def save_shape_record(run: Run) -> None:
+    """The shapes the engine met, added to the run directory's record, for the next start's
+    warm-up: a record only grows (a start that met nothing yet, or stopped early, loses none of
+    what its earlier selves met). A record that cannot be read is replaced."""
+    from whale_jax.engine import warmup
+
+    path = os.path.join(run.root, warmup.RECORD_FILE)
+    try:
+        old = warmup.read_record(path) or {}
+    except warmup.RecordError:  # reported by the warm-up at the start
+        old = {}
+    warmup.write_record(path, warmup.merge(old, run.client.engine.shape_record()))
+
+
 def check_shared_checkpoints(checkpoint_dir: str) -> None:
     """Orbax writes each host's shards of a checkpoint into one directory: a directory local
     to each host would scatter them (and a resume would find none whole). Host 0 writes a
@@ -233,6 +275,10 @@ def check_shared_checkpoints(checkpoint_dir: str) -> None:
 
 
 def close(run: Run) -> None:
+    try:
+        save_shape_record(run)
+    except Exception as e:  # as below: closing must not hide the run's own error
+        run.print_fn(f"saving the engine's shapes: {type(e).__name__}: {e}")
     for name in ("checkpoints", "executor", "client"):
         part = getattr(run, name)
         try:

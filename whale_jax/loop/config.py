@@ -34,6 +34,9 @@ SCHEDULES = ("fixed", "adaptive")
 PROPOSERS = ("offline", "gemini", "openai", "command")
 
 
+WARM_UPS = ("recorded", "all", "off")  # --engine_warm_up (whale_jax/engine/warmup.py)
+
+
 class ConfigError(ValueError):
     """A flag (named in the message) is missing, malformed or contradicts another."""
 
@@ -85,6 +88,7 @@ RANGES: dict[str, Range] = {
     "max_len": Range("model.max_len", 2),
     "concurrency": Range("model.concurrency", 0),
     "engine_cache_rows": Range("model.engine_cache_rows", 0),
+    "compile_workers": Range("model.compile_workers", 0),
     "prompt_batch": Range("rsft.prompt_batch", 1),
     "samples": Range("rsft.samples", 1),
     # Rewards lie in [0, 1] and an episode is kept above the threshold: at 1 nothing ever is; below
@@ -165,6 +169,11 @@ class ModelSettings:
     concurrency: int = 0  # episodes in flight (0: twice the engine slots)
     engine_cache_rows: int = 0  # prefix-cache rows (0: two per episode in flight, memory allowing)
     sandbox: str = ""  # strict | shared_uid | landlock ("": $WHALE_SANDBOX or strict)
+    # Engine programs compiled before the first rollout (whale_jax/engine/warmup.py): "recorded"
+    # (the shapes this run met before it stopped), "all" (and every shape the flags allow but
+    # the resumes), "off".
+    engine_warm_up: str = "recorded"
+    compile_workers: int = 0  # threads of that warm-up (0: the host's cores, at most 8)
 
     def sampling(self) -> SamplingSettings:
         """A model call's default settings: these flags, nothing else."""
@@ -271,6 +280,8 @@ OPERATIONAL = (
     "model.engine_cache_rows",
     "model.engine_devices",
     "model.sandbox",
+    "model.engine_warm_up",
+    "model.compile_workers",
 )
 
 
@@ -369,6 +380,8 @@ def validate(config: RunConfig) -> None:
     need(m.dtype in ("float32", "bfloat16"), "dtype", "float32 or bfloat16")
     need(m.sandbox in ("", "strict", "shared_uid", "landlock"), "sandbox",
          f"{m.sandbox!r}: strict, shared_uid or landlock")  # fmt: skip
+    need(m.engine_warm_up in WARM_UPS, "engine_warm_up",
+         f"{m.engine_warm_up!r}: {', '.join(WARM_UPS)}")  # fmt: skip
     if e.validation:
         need(d.validation_size >= 1, "validation_size",
              "validation evaluation is on (--eval_validation) but the split is empty")  # fmt: skip

@@ -37,7 +37,7 @@ import jax
 
 from harness.files import write_json
 from whale_jax.loop import schedule as sched
-from whale_jax.loop.build import Run, build, close
+from whale_jax.loop.build import Run, build, close, warm_up
 from whale_jax.loop.config import RunConfig
 from whale_jax.loop.evaluate import evaluate
 from whale_jax.loop.hosts import sync_harness
@@ -77,6 +77,8 @@ def run(
             summary = finish(r)
             push_mirror(r)
             return summary
+        m = r.config.model
+        warm_up(r.client.engine, r.root, m.engine_warm_up, m.compile_workers, r.say)
         if not resumed:
             emit(r, "start", config_hash=s.config_hash, splits=r.data.sizes(),
                  total_steps=r.plan.total_steps, method=r.plan.method)  # fmt: skip

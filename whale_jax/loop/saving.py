@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
+from whale_jax.loop.build import save_shape_record
 from whale_jax.loop.hosts import agreed
 
 if TYPE_CHECKING:
@@ -15,8 +16,10 @@ if TYPE_CHECKING:
 
 
 def save(run: Run, *, best: bool = False, wait: bool = False) -> None:
-    # The mirror first: a checkpoint exists only once the mirror holds what it refers to (a
-    # push that fails raises before anything of this save happened).
+    # The engine's shapes so far, for a resume's warm-up (whale_jax/engine/warmup.py); then the
+    # mirror: a checkpoint exists only once the mirror holds what it refers to (a push that
+    # fails raises before anything of this save happened).
+    save_shape_record(run)
     push_mirror(run)
     s = run.state
     s.checkpoint += 1

@@ -1,0 +1,194 @@
+"""Compiling the engine's programs ahead (``Engine.warm_up``, whale_jax/engine/warmup.py): a warmed
+shape runs without a compile, the shape space matches the buckets the engine pads to, a run's
+record round-trips through its file, and a record from other flags is skipped."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import threading
+
+import jax
+import pytest
+from jax import monitoring
+
+from tests.conftest import run_on_devices
+from tests.engine.test_engine import greedy, prompts_for
+from whale_jax.engine import Engine, EngineConfig, Request, warmup
+
+_compiles: list[str] = []
+_listening = threading.Event()
+
+
+def _on_event(event: str, seconds: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration" and _listening.is_set():
+        _compiles.append(str(kwargs.get("fun_name", "?")))
+
+
+monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compiled_during(fn):
+    """(fn's result, the names of the programs XLA compiled while it ran, in any thread)."""
+    _compiles.clear()
+    _listening.set()
+    try:
+        out = fn()
+    finally:
+        _listening.clear()
+    return out, list(_compiles)
+
+
+CONFIG = EngineConfig(slots=3, max_len=64, steps=4, prefill_batch=2, min_kv_bucket=32,
+                      min_kept_tokens=0, cache_rows=12)  # fmt: skip
+
+
+def workload(engine, vocab):
+    """First turns parked, repeats served from the store, second turns resumed: every step."""
+    prompts = prompts_for(vocab, lengths=(5, 20, 9, 33, 12), seed=3)
+    first = engine.generate([Request(prompt_ids=p, sampling=greedy(5), park=f"s{i}")
+                             for i, p in enumerate(prompts)])  # fmt: skip
+    again = engine.generate([Request(prompt_ids=p, sampling=greedy(3)) for p in prompts[:2]])
+    turns = [p + c.token_ids + (1, 2) for p, c in zip(prompts, first, strict=True)]
+    second = engine.generate([Request(prompt_ids=t, sampling=greedy(4), park=f"s{i}")
+                              for i, t in enumerate(turns)])  # fmt: skip
+    return [c.token_ids for c in first + again + second]
+
+
+def test_every_shape_the_flags_allow_compiles_ahead(tiny_llama):
+    """``everything``: afterwards a workload of every step compiles nothing but its resumes
+    (left out of the flags' set: too many), so the shape space holds every bucket the engine
+    pads to. The control run, without a warm-up, shows the listener sees the compiles."""
+    model, cfg, _ = tiny_llama
+    jax.clear_caches()
+    with Engine(model, CONFIG, eos_ids=()) as cold:
+        want, names = compiled_during(lambda: workload(cold, cfg.vocab_size))
+        met = cold.device.signatures
+    assert {"jit(_prefill)", "jit(_generate)", "jit(_resume)", "jit(_park)"} <= set(names)
+    assert set(met) == {"prefill", "resume", "store_put", "insert", "insert_stored", "generate",
+                        "park"}  # fmt: skip
+    jax.clear_caches()
+    with Engine(model, CONFIG, eos_ids=()) as engine:
+        space = engine.shape_space()
+        for name, sigs in met.items():  # every shape met lies in the space
+            assert sigs <= space[name], name
+        result = engine.warm_up(everything=True, workers=2)
+        planned = sum(len(v) for k, v in space.items() if k != "resume")
+        assert result == {"compiled": planned, "failed": 0, "unfit": 0,
+                          "seconds": result["seconds"]}  # fmt: skip
+        got, names = compiled_during(lambda: workload(engine, cfg.vocab_size))
+        assert got == want  # compiled ahead or as met: the same programs, the same tokens
+        assert names and set(names) == {"jit(_resume)"}, names
+        # What it met is recorded, not what it warmed: the record is of the run.
+        assert engine.shape_record() == engine.device.signatures == met
+        assert engine.warm_up(everything=True)["compiled"] == 0  # nothing twice
+
+
+def test_a_record_warms_exactly_what_the_run_met(tiny_qwen3_5, tmp_path):
+    """A hybrid model (Gated DeltaNet states in the prefixes): a run's record, written and read
+    back, warms a fresh engine so that the same workload compiles nothing at all."""
+    model, cfg, _ = tiny_qwen3_5
+    jax.clear_caches()
+    with Engine(model, CONFIG, eos_ids=()) as first:
+        want = workload(first, cfg.vocab_size)
+        record = first.shape_record()
+    path = tmp_path / warmup.RECORD_FILE
+    warmup.write_record(str(path), record)
+    assert warmup.read_record(str(path)) == record
+    assert json.loads(path.read_text())["format"] == warmup.FORMAT
+    jax.clear_caches()
+    with Engine(model, CONFIG, eos_ids=()) as engine:
+        result, names = compiled_during(lambda: engine.warm_up(warmup.read_record(str(path))))
+        assert result["compiled"] == sum(map(len, record.values())) == len(names)
+        assert result["failed"] == result["unfit"] == 0
+        got, names = compiled_during(lambda: workload(engine, cfg.vocab_size))
+        assert names == [] and got == want
+        assert engine.shape_record() == record  # met again, by the calls (not the warm-up)
+
+
+def test_a_record_from_other_flags_is_skipped(tiny_llama):
+    """Shapes this configuration cannot meet (other slots, a length that is no bucket, a step
+    that does not exist) are counted and never compiled."""
+    model, _, _ = tiny_llama
+    with Engine(model, CONFIG, eos_ids=()) as engine:
+        record = {"generate": [[3, 32], [4, 32], [3, 40]], "prefill": [[[2, 20]]],
+                  "no_such_step": [[1]]}  # fmt: skip
+        result = engine.warm_up(record, workers=1)
+        assert (result["compiled"], result["unfit"], result["failed"]) == (1, 4, 0)
+        assert engine.shape_record() == {}  # compiled ahead, not met
+
+
+def test_a_failing_compile_is_counted_not_raised():
+    seen = []
+
+    def compile_(name, sig):
+        seen.append(name)
+        if name == "bad":
+            raise RuntimeError("out of memory")
+
+    progress = []
+    result = warmup.compile_all([(compile_, "good", ()), (compile_, "bad", ())], workers=2,
+                                progress=lambda done, total: progress.append((done, total)))  # fmt: skip
+    assert (result["compiled"], result["failed"]) == (1, 1)
+    assert sorted(seen) == ["bad", "good"] and progress[-1] == (2, 2)
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("{", "not a shape record"),
+        ('{"format": 2, "shapes": {}}', "expected {'format': 1"),
+        ('{"format": 1, "shapes": []}', "'shapes' must map"),
+        ('{"format": 1, "shapes": {"generate": 3}}', "shapes['generate'] must be a list"),
+        ('{"format": 1, "shapes": {"generate": [[3, "32"]]}}', "shapes['generate']: a shape"),
+        ('{"format": 1, "shapes": {"generate": [[3, true]]}}', "shapes['generate']: a shape"),
+    ],
+)
+def test_a_bad_record_names_its_file(tmp_path, text, problem):
+    path = tmp_path / "engine_shapes.json"
+    path.write_text(text)
+    with pytest.raises(warmup.RecordError, match="engine_shapes.json") as e:
+        warmup.read_record(str(path))
+    assert problem in str(e.value)
+
+
+def test_no_record_is_none(tmp_path):
+    assert warmup.read_record(str(tmp_path / "absent.json")) is None
+
+
+POOL_SCRIPT = textwrap.dedent(
+    """
+    import jax
+    from jax import monitoring
+    from whale_jax import load_model
+    from whale_jax.engine import EngineConfig, Request, Sampling
+    from whale_jax.engine.pool import EnginePool
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda e, s, **kw: compiles.append(kw.get("fun_name"))
+        if e == "/jax/core/compile/backend_compile_duration" else None)
+    model = load_model("tests/fixtures/tiny_llama").model
+    config = EngineConfig(slots=4, max_len=64, steps=4, min_kv_bucket=32, cache_rows=8,
+                          min_kept_tokens=0)
+    reqs = [Request(prompt_ids=(3 + i, 9, 20, 31, 7) * (1 + i), identity=(i,),
+                    sampling=Sampling(temperature=0.0, max_new_tokens=5), park=f"s{i}")
+            for i in range(6)]
+    with EnginePool(model, config, jax.local_devices()) as pool:
+        want = [c.token_ids for c in pool.generate(reqs)]
+        record = pool.shape_record()
+    jax.clear_caches()
+    with EnginePool(model, config, jax.local_devices()) as pool:
+        result = pool.warm_up(record, workers=2)
+        # A program per device: each engine compiles its own.
+        assert result["compiled"] == 2 * sum(map(len, record.values())), (result, record)
+        compiles.clear()
+        got = [c.token_ids for c in pool.generate(reqs)]
+        assert got == want and compiles == [], compiles
+        assert pool.shape_record() == record
+    print("POOL WARM OK")
+    """
+)
+
+
+def test_a_pool_warms_every_device():
+    assert "POOL WARM OK" in run_on_devices(POOL_SCRIPT, devices=2).stdout
