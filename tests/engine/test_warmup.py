@@ -74,8 +74,8 @@ def test_every_shape_the_flags_allow_compiles_ahead(tiny_llama):
             assert sigs <= space[name], name
         result = engine.warm_up(everything=True, workers=2)
         planned = sum(len(v) for k, v in space.items() if k != "resume")
-        assert result == {"compiled": planned, "failed": 0, "unfit": 0,
-                          "seconds": result["seconds"]}  # fmt: skip
+        assert result | {"seconds": 0} == {"compiled": planned, "failed": 0, "taken": 0,
+                                           "unfit": 0, "left": 0, "seconds": 0}  # fmt: skip
         got, names = compiled_during(lambda: workload(engine, cfg.vocab_size))
         assert got == want  # compiled ahead or as met: the same programs, the same tokens
         assert names and set(names) == {"jit(_resume)"}, names
@@ -118,19 +118,66 @@ def test_a_record_from_other_flags_is_skipped(tiny_llama):
         assert engine.shape_record() == {}  # compiled ahead, not met
 
 
-def test_a_failing_compile_is_counted_not_raised():
-    seen = []
+def test_a_failing_compile_is_counted_not_raised(tiny_llama):
+    model, _, _ = tiny_llama
+    with Engine(model, CONFIG, eos_ids=()) as engine:
+        dev = engine.device
+        done = []
+        handle = warmup.WarmUp([(dev, "generate", (3, 32)), (dev, "no_such_step", (1,))],
+                               workers=2, on_done=done.append)  # fmt: skip
+        counts = handle.result()
+        assert (counts["compiled"], counts["failed"], counts["left"]) == (1, 1, 0)
+        assert [d | {"seconds": 0} for d in done] == [counts | {"seconds": 0}]
 
-    def compile_(name, sig):
-        seen.append(name)
-        if name == "bad":
-            raise RuntimeError("out of memory")
 
-    progress = []
-    result = warmup.compile_all([(compile_, "good", ()), (compile_, "bad", ())], workers=2,
-                                progress=lambda done, total: progress.append((done, total)))  # fmt: skip
-    assert (result["compiled"], result["failed"]) == (1, 1)
-    assert sorted(seen) == ["bad", "good"] and progress[-1] == (2, 2)
+STEPS = {"jit(_prefill)", "jit(_resume)", "jit(_insert_rows)", "jit(_store_put)",
+         "jit(_insert_stored)", "jit(_generate)", "jit(_park)"}  # fmt: skip
+
+
+def test_a_background_warm_up_never_compiles_a_shape_twice(tiny_llama):
+    """Requests come while the warm-up runs (as in a run: the executor starts meanwhile): each
+    shape is compiled once, by the warm-up or (queued there still) by the engine; same tokens."""
+    model, cfg, _ = tiny_llama
+    with Engine(model, CONFIG, eos_ids=()) as first:
+        want = workload(first, cfg.vocab_size)
+        record = first.shape_record()
+    jax.clear_caches()
+    with Engine(model, CONFIG, eos_ids=()) as engine:
+
+        def both():
+            handle = engine.warm_up(record, workers=1, background=True)
+            return workload(engine, cfg.vocab_size), handle.result()
+
+        (got, counts), names = compiled_during(both)
+        assert got == want
+        total = sum(map(len, record.values()))
+        assert counts["compiled"] + counts["taken"] == total and counts["failed"] == 0
+        steps = [n for n in names if n in STEPS]
+        assert len(steps) == total, (counts, sorted(steps))  # each shape once
+
+
+def test_a_step_takes_over_a_queued_compile_and_waits_for_a_running_one(tiny_llama):
+    """``DeviceEngine.note``, the engine's side of a warm-up: a compile not started yet is
+    dropped (the step's call compiles the shape itself); one under way is waited for."""
+    from concurrent.futures import Future
+
+    model, _, _ = tiny_llama
+    with Engine(model, CONFIG, eos_ids=()) as engine:
+        dev = engine.device
+        queued, running = Future(), Future()
+        running.set_running_or_notify_cancel()
+        dev.ahead[("generate", (3, 32))] = queued
+        dev.ahead[("generate", (3, 48))] = running
+        dev.note("generate", 3, 32)
+        assert queued.cancelled()
+        waiter = threading.Thread(target=dev.note, args=("generate", 3, 48))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # waiting for the warm-up's compile
+        running.set_result(True)
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert dev.signatures["generate"] == {(3, 32), (3, 48)}
 
 
 @pytest.mark.parametrize(

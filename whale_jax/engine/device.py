@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import jax
@@ -383,6 +384,7 @@ class DeviceEngine:
         self._model_dtype = model.dtype
         self.kv = _is_kv(self.cfg.layer_types[: self.cfg.period])
         self.signatures: dict[str, set] = {}  # distinct compiled shapes per function
+        self.ahead: dict[tuple[str, tuple], Future] = {}  # a warm-up's compiles (warmup.py)
         # ``hold_state=False``: the caller holds the decode state (JetStream's orchestrator passes
         # it through every call) and there is no store.
         self.state = self.empty_state() if hold_state else None
@@ -448,7 +450,12 @@ class DeviceEngine:
         self.groups = _split_groups(self.params) if self.unroll else None
 
     def note(self, name: str, *shapes) -> None:
-        """Records a compiled shape of ``name`` (``compile_counts``)."""
+        """Records a compiled shape of ``name`` (``compile_counts``), before its call: a warm-up
+        compile of that shape still queued is dropped (the call compiles it now), one under way
+        is waited for (warmup.WarmUp)."""
+        ahead = self.ahead.get((name, shapes))
+        if ahead is not None and not ahead.done() and not ahead.cancel():
+            ahead.result()
         self.signatures.setdefault(name, set()).add(shapes)
 
     @property

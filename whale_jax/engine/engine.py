@@ -274,7 +274,6 @@ class Engine:
                  slot_bytes / 2**20, self.memory)  # fmt: skip
         self.stats = collections.Counter()
         self.timings = collections.defaultdict(float)
-        self._warmed: set[tuple[str, tuple]] = set()  # compiled ahead by warm_up
 
     # -- public API ------------------------------------------------------------------------------
     def submit(self, request: Request) -> Future:
@@ -334,6 +333,8 @@ class Engine:
             return self.weights_version
 
     def close(self) -> None:
+        for future in self.device.ahead.values():  # a warm-up's compiles not started yet
+            future.cancel()
         with self._cv:
             self._closed = True
             self._cv.notify_all()
@@ -401,28 +402,29 @@ class Engine:
             skip = {"resume"} | (set() if self.config.prefix_cache else
                                  {"store_put", "insert_stored"})  # fmt: skip
             wanted += [(n, sig) for n in warmup.ORDER if n not in skip for sig in space[n]]
-        done = self.device.signatures
+        dev = self.device
         tasks, seen = [], set()
         # Decode first (every rollout meets it), then by size: the small shapes come first.
         for name, sig in sorted(wanted, key=lambda w: (warmup.ORDER.index(w[0]), w[1])):
-            if (name, sig) in seen or sig in done.get(name, ()) or (name, sig) in self._warmed:
+            if (
+                (name, sig) in seen
+                or sig in dev.signatures.get(name, ())
+                or (name, sig) in dev.ahead
+            ):
                 continue
             seen.add((name, sig))
-            tasks.append((self._compile_one, name, sig))
+            tasks.append((dev, name, sig))
         return tasks, unfit
 
-    def _compile_one(self, name: str, sig: tuple) -> None:
-        self.device.compile_ahead(name, sig)
-        self._warmed.add((name, sig))
-
     def warm_up(self, record: Mapping[str, Iterable] | None = None, *, everything: bool = False,
-                workers: int | None = None, progress=None) -> dict:  # fmt: skip
-        """Compiles ahead, before any request, the shapes of ``record`` (a run's earlier
-        ``shape_record``) and with ``everything`` every shape the configuration allows but the
-        resumes, on ``workers`` threads (default: the host's cores, at most 8). Returns counts:
-        compiled, failed, unfit (record shapes this configuration cannot meet), seconds."""
+                workers: int | None = None, background: bool = False, on_done=None):  # fmt: skip
+        """Compiles ahead the shapes of ``record`` (a run's earlier ``shape_record``) and with
+        ``everything`` every shape the configuration allows but the resumes, on ``workers``
+        threads (default: the host's cores, at most 8). Returns the counts once done
+        (``warmup.WarmUp.counts``), or with ``background`` a ``warmup.WarmUp`` at once: requests
+        may come meanwhile (a shape they need first is compiled for them, never twice)."""
         return warmup.warm([self], record, everything=everything, workers=workers,
-                           progress=progress)  # fmt: skip
+                           background=background, on_done=on_done)  # fmt: skip
 
     def forget(self, name: str) -> None:
         """Drops the state a session parked under ``name`` (the session is over)."""

@@ -179,11 +179,11 @@ class EnginePool:
         return warmup.merge(*(e.shape_record() for e in self.engines))
 
     def warm_up(self, record=None, *, everything: bool = False, workers: int | None = None,
-                progress=None) -> dict:  # fmt: skip
+                background: bool = False, on_done=None):  # fmt: skip
         """``Engine.warm_up`` for every engine (a program compiles once per device), all on one
         pool of ``workers`` threads."""
         return warmup.warm(self.engines, record, everything=everything, workers=workers,
-                           progress=progress)  # fmt: skip
+                           background=background, on_done=on_done)  # fmt: skip
 
     @property
     def stats(self) -> collections.Counter:

@@ -27,9 +27,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 log = logging.getLogger(__name__)
 
@@ -101,49 +102,94 @@ def merge(*records: Mapping[str, Iterable[tuple]]) -> Shapes:
     return out
 
 
-def compile_all(
-    tasks: Sequence[tuple[Callable[[str, tuple], None], str, tuple]],
-    *,
-    workers: int = 1,
-    progress: Callable[[int, int], None] | None = None,
-) -> dict:
-    """Runs ``compile(name, signature)`` for every task on ``workers`` threads (XLA compiles
-    outside the GIL; tracing and lowering hold it). A compile that fails is logged and counted,
-    never raised: a warm-up only saves time. ``progress(done, total)`` after each."""
-    t0 = time.perf_counter()
-    failed, done = [], 0
+class WarmUp:
+    """A warm-up under way: its compiles run on a pool of threads while the caller goes on (the
+    executor starting its workers, the first requests queueing). An engine step that meets a
+    shape still queued here compiles it itself and the queued compile is dropped; one that meets
+    a shape being compiled here waits for it (``DeviceEngine.note``): nothing compiles twice, and
+    what the engine needs now never waits behind what it may need later. A compile that fails
+    is logged and counted, never raised: a warm-up only saves time.
 
-    def one(task):
-        compile_, name, sig = task
+    ``tasks`` are (DeviceEngine, step name, signature); ``on_done(counts)`` runs once the last
+    one has finished (in the thread that finished it)."""
+
+    def __init__(self, tasks: Sequence[tuple], *, workers: int, unfit: int = 0,
+                 on_done: Callable[[dict], None] | None = None):  # fmt: skip
+        self.total, self.unfit = len(tasks), unfit
+        self._t0, self._end = time.perf_counter(), None
+        self._lock = threading.Lock()
+        self._left, self._failed, self._taken = len(tasks), 0, 0
+        self._on_done = on_done
+        self._futures: list[Future] = []
+        pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="whale-warm-up")
+        for device, name, sig in tasks:
+            future = pool.submit(self._compile, device, name, sig)
+            device.ahead[(name, sig)] = future
+            self._futures.append(future)
+        pool.shutdown(wait=False)  # the threads end once the queue is empty
+        for future in self._futures:
+            future.add_done_callback(self._finished)
+        if not tasks:
+            self._complete()
+
+    @staticmethod
+    def _compile(device, name: str, sig: tuple) -> bool:
         try:
-            compile_(name, sig)
+            device.compile_ahead(name, sig)
         except Exception as e:
             log.warning("warm-up: compiling %s %s failed: %r", name, sig, e)
-            return (name, sig)
-        return None
+            return False
+        return True
 
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="whale-warm-up") as pool:
-        for result in pool.map(one, tasks):
-            done += 1
-            if result is not None:
-                failed.append(result)
-            if progress is not None:
-                progress(done, len(tasks))
-    return {"compiled": len(tasks) - len(failed), "failed": len(failed),
-            "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    def _finished(self, future: Future) -> None:
+        with self._lock:
+            if future.cancelled():
+                self._taken += 1
+            elif not future.result():
+                self._failed += 1
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._complete()
+
+    def _complete(self) -> None:
+        self._end = time.perf_counter()
+        if self._on_done is not None:
+            self._on_done(self.counts())
+
+    def counts(self) -> dict:
+        """compiled (here), failed, taken (compiled by the engine as it met them, before their
+        turn came here), unfit (record shapes the configuration cannot meet), left (still to
+        compile) and seconds (until the last finished, or so far)."""
+        with self._lock:
+            left, failed, taken = self._left, self._failed, self._taken
+        end = self._end or time.perf_counter()
+        return {"compiled": self.total - left - failed - taken, "failed": failed,
+                "taken": taken, "unfit": self.unfit, "left": left,
+                "seconds": round(end - self._t0, 2)}  # fmt: skip
+
+    def result(self, timeout: float | None = None) -> dict:
+        """Waits for every compile (or ``timeout`` seconds); the counts."""
+        wait(self._futures, timeout=timeout)
+        return self.counts()
+
+    def cancel(self) -> None:
+        """Drops the compiles not started yet (an engine that closes)."""
+        for future in self._futures:
+            future.cancel()
 
 
 def warm(engines: Sequence, record=None, *, everything: bool = False, workers: int | None = None,
-         progress: Callable[[int, int], None] | None = None) -> dict:  # fmt: skip
+         background: bool = False, on_done: Callable[[dict], None] | None = None):  # fmt: skip
     """Every engine's ``warm_tasks`` on one pool of ``workers`` threads (default: the host's
-    cores, at most 8); the counts of ``compile_all`` and the record's shapes the engines'
-    configuration cannot meet (``unfit``)."""
+    cores, at most 8). Returns the counts (``WarmUp.counts``) once all are compiled, or with
+    ``background`` the ``WarmUp`` at once."""
     tasks, unfit = [], 0
     for engine in engines:
         more, unfit = engine.warm_tasks(record, everything=everything)  # the same for each
         tasks += more
-    result = compile_all(tasks, workers=workers or default_workers(), progress=progress)
-    return {**result, "unfit": unfit}
+    handle = WarmUp(tasks, workers=workers or default_workers(), unfit=unfit, on_done=on_done)
+    return handle if background else handle.result()
 
 
 def default_workers() -> int:

@@ -208,13 +208,15 @@ def build(config: RunConfig, checked: Checked, *, log: Callable[[str], None] | N
     )  # fmt: skip
 
 
-def warm_up(engine, root: str, mode: str, workers: int, say: Callable[[str], None]) -> None:
-    """Compiles the engine's programs before the first rollout (--engine_warm_up): the shapes
-    this run met before it stopped (its record in the run directory), and with "all" every
-    shape the flags allow but the resumes. A record that cannot be read is reported and left
-    for the run to overwrite; the run goes on either way."""
+def warm_up(engine, root: str, mode: str, workers: int, say: Callable[[str], None]):
+    """Starts compiling the engine's programs before the first rollout (--engine_warm_up): the
+    shapes this run met before it stopped (its record in the run directory), and with "all"
+    every shape the flags allow but the resumes. The compiles run in the background while the
+    run goes on (warmup.WarmUp); the line saying they are done comes when they are. A record
+    that cannot be read is reported and left for the run to overwrite. Returns the WarmUp, or
+    None when there is nothing to warm."""
     if mode == "off":
-        return
+        return None
     from whale_jax.engine import warmup
 
     path = os.path.join(root, warmup.RECORD_FILE)
@@ -224,16 +226,22 @@ def warm_up(engine, root: str, mode: str, workers: int, say: Callable[[str], Non
         say(f"engine warm-up: {e}; warming without it (the run writes a new one)")
         record = None
     if record is None and mode != "all":
-        return
+        return None
     what = [f"the {sum(map(len, record.values()))} shapes this run met before"] if record else []
     if mode == "all":
         what.append("every shape the flags allow but the resumes")
-    say(f"engine warm-up: compiling {' and '.join(what)}, before the first rollout...")
-    result = engine.warm_up(record, everything=mode == "all", workers=workers or None)
-    say(f"engine warm-up: {result['compiled']} programs ready in {result['seconds']:.1f}s"
-        + (f"; {result['failed']} failed (compiled when met)" if result["failed"] else "")
-        + (f"; {result['unfit']} recorded shapes do not fit these flags (skipped)"
-           if result["unfit"] else ""))  # fmt: skip
+    threads = workers or warmup.default_workers()
+    say(f"engine warm-up: compiling {' and '.join(what)}, on {threads} threads beside the run")
+
+    def done(n: dict) -> None:
+        say(f"engine warm-up: {n['compiled']} programs ready in {n['seconds']:.1f}s"
+            + (f", {n['taken']} compiled as the run met them first" if n["taken"] else "")
+            + (f"; {n['failed']} failed (compiled when met)" if n["failed"] else "")
+            + (f"; {n['unfit']} recorded shapes do not fit these flags (skipped)"
+               if n["unfit"] else ""))  # fmt: skip
+
+    return engine.warm_up(record, everything=mode == "all", workers=threads, background=True,
+                          on_done=done)  # fmt: skip
 
 
 def save_shape_record(run: Run) -> None:
