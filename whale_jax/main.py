@@ -169,13 +169,13 @@ flags.DEFINE_float("checkpoint_every_minutes", 30.0, "Also save after this long 
                   "(0: off).")  # fmt: skip
 flags.DEFINE_float("preemption_grace_s", 25.0, "On SIGTERM, save only if a save (as long as "
                    "the last one took) fits in what is left of this grace.")  # fmt: skip
-flags.DEFINE_enum("engine_warm_up", "recorded", list(cfg.WARM_UPS), "Engine programs "
-                  "compiled, on --compile_workers threads, before the first rollout: recorded "
-                  "(the shapes this run met before it stopped, from <run_dir>/"
-                  "engine_shapes.json), all (those and every shape the flags allow but the "
-                  "resumes: minutes), off.")  # fmt: skip
-flags.DEFINE_integer("compile_workers", 0, "Threads of the engine's warm-up (0: the host's "
-                     "cores, at most 8).")  # fmt: skip
+flags.DEFINE_enum("engine_warm_up", "auto", list(cfg.WARM_UPS), "Engine programs compiled "
+                  "on --compile_workers background threads as the run starts: recorded (the "
+                  "shapes this run met before it stopped, from <run_dir>/engine_shapes.json), "
+                  "all (those and every shape the flags allow but the resumes: minutes), off; "
+                  "auto: recorded on accelerators, off on the CPU.")  # fmt: skip
+flags.DEFINE_integer("compile_workers", 0, "Threads of the engine's warm-up (0: half the "
+                     "host's cores, at most 8).")  # fmt: skip
 flags.DEFINE_string("compilation_cache_dir", "", "JAX's persistent compilation cache: a resumed "
                     "or repeated run loads compiled programs instead of compiling them again "
                     "(default: <run_dir>/compile_cache; 'none': off).")  # fmt: skip

@@ -239,3 +239,28 @@ POOL_SCRIPT = textwrap.dedent(
 
 def test_a_pool_warms_every_device():
     assert "POOL WARM OK" in run_on_devices(POOL_SCRIPT, devices=2).stdout
+
+
+def test_the_runs_warm_up_reads_its_record(tiny_llama, tmp_path):
+    """whale_jax.loop.build.warm_up, as a run starts: "auto" is off on the CPU; "recorded"
+    warms the run directory's record in the background and says when it is done; a record that
+    cannot be read is named, and the run goes on without it."""
+    from whale_jax.loop.build import warm_up
+
+    model, _, _ = tiny_llama
+    lines = []
+    with Engine(model, CONFIG, eos_ids=()) as engine:
+        assert warm_up(engine, str(tmp_path), "recorded", 1, lines.append) is None  # no record
+        warmup.write_record(str(tmp_path / warmup.RECORD_FILE), {"generate": {(3, 32), (9, 32)}})
+        assert warm_up(engine, str(tmp_path), "auto", 1, lines.append) is None  # the CPU
+        assert warm_up(engine, str(tmp_path), "off", 1, lines.append) is None
+        assert lines == []
+        handle = warm_up(engine, str(tmp_path), "recorded", 1, lines.append)
+        counts = handle.result()
+        assert (counts["compiled"], counts["unfit"]) == (1, 1)
+        assert lines[0].startswith("engine warm-up: compiling the 2 shapes this run met before")
+        assert "1 programs ready" in lines[-1] and "1 recorded shapes do not fit" in lines[-1]
+        (tmp_path / warmup.RECORD_FILE).write_text("{")
+        lines.clear()
+        assert warm_up(engine, str(tmp_path), "recorded", 1, lines.append) is None
+        assert warmup.RECORD_FILE in lines[0] and "not a shape record" in lines[0]

@@ -420,7 +420,7 @@ class Engine:
                 workers: int | None = None, background: bool = False, on_done=None):  # fmt: skip
         """Compiles ahead the shapes of ``record`` (a run's earlier ``shape_record``) and with
         ``everything`` every shape the configuration allows but the resumes, on ``workers``
-        threads (default: the host's cores, at most 8). Returns the counts once done
+        threads (default: half the host's cores, at most 8). Returns the counts once done
         (``warmup.WarmUp.counts``), or with ``background`` a ``warmup.WarmUp`` at once: requests
         may come meanwhile (a shape they need first is compiled for them, never twice)."""
         return warmup.warm([self], record, everything=everything, workers=workers,

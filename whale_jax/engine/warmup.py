@@ -2,8 +2,9 @@
 
 Every jitted step of the engine is compiled once per shape it meets (``compile_counts``), and a
 compile stops the engine thread, with every slot waiting on it. A warm-up compiles shapes ahead,
-from abstract arguments (``DeviceEngine.compile_ahead``), on a pool of threads, before the run
-sends anything; a later call with the same shape runs at once. The shapes come from two places:
+from abstract arguments (``DeviceEngine.compile_ahead``), on a pool of threads, before requests
+need them or (``WarmUp``, in the background) while the first ones come; a later call with the
+same shape runs at once. The shapes come from two places:
 
 - the **record**: the shapes an engine met, saved as JSON (``write_record``). A resumed run reads
   its earlier self's record from the run directory and warms exactly those, in parallel, from
@@ -30,7 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class WarmUp:
         self._lock = threading.Lock()
         self._left, self._failed, self._taken = len(tasks), 0, 0
         self._on_done = on_done
+        self._all_done = threading.Event()  # set after on_done has run
         self._futures: list[Future] = []
         pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="whale-warm-up")
         for device, name, sig in tasks:
@@ -154,8 +156,11 @@ class WarmUp:
 
     def _complete(self) -> None:
         self._end = time.perf_counter()
-        if self._on_done is not None:
-            self._on_done(self.counts())
+        try:
+            if self._on_done is not None:
+                self._on_done(self.counts())
+        finally:
+            self._all_done.set()
 
     def counts(self) -> dict:
         """compiled (here), failed, taken (compiled by the engine as it met them, before their
@@ -169,8 +174,8 @@ class WarmUp:
                 "seconds": round(end - self._t0, 2)}  # fmt: skip
 
     def result(self, timeout: float | None = None) -> dict:
-        """Waits for every compile (or ``timeout`` seconds); the counts."""
-        wait(self._futures, timeout=timeout)
+        """Waits for every compile and ``on_done`` (or ``timeout`` seconds); the counts."""
+        self._all_done.wait(timeout)
         return self.counts()
 
     def cancel(self) -> None:
@@ -181,8 +186,8 @@ class WarmUp:
 
 def warm(engines: Sequence, record=None, *, everything: bool = False, workers: int | None = None,
          background: bool = False, on_done: Callable[[dict], None] | None = None):  # fmt: skip
-    """Every engine's ``warm_tasks`` on one pool of ``workers`` threads (default: the host's
-    cores, at most 8). Returns the counts (``WarmUp.counts``) once all are compiled, or with
+    """Every engine's ``warm_tasks`` on one pool of ``workers`` threads (default:
+    ``default_workers``). Returns the counts (``WarmUp.counts``) once all are compiled, or with
     ``background`` the ``WarmUp`` at once."""
     tasks, unfit = [], 0
     for engine in engines:
@@ -193,6 +198,6 @@ def warm(engines: Sequence, record=None, *, everything: bool = False, workers: i
 
 
 def default_workers() -> int:
-    """Threads for a warm-up: the host's cores, at most 8 (each compile also uses threads of
-    its own)."""
-    return max(1, min(8, os.cpu_count() or 1))
+    """Threads for a warm-up: half the host's cores (the run goes on beside it, and XLA:CPU's
+    compiler uses threads of its own), at most 8, at least 1."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))

@@ -94,6 +94,7 @@ class Run:
     checkpoints: Checkpoints
     metrics: MetricsLog
     mappings: MappingGuard  # CPU runs compile engine programs per prompt length (compiled.py)
+    warm: Any  # the engine's warm-up under way (whale_jax.engine.warmup.WarmUp), or None
     # What changes as the run goes; ``state``, ``cursor`` and ``tb`` come from start_or_resume.
     state: LoopState | None = None
     cursor: DataCursor | None = None
@@ -198,13 +199,17 @@ def build(config: RunConfig, checked: Checked, *, log: Callable[[str], None] | N
     checkpoints = Checkpoints(c.checkpoint_dir, keep=c.checkpoint.keep, log=say)
     if jax.process_count() > 1:
         check_shared_checkpoints(c.checkpoint_dir)
+    # Last, so that nothing here can fail with compiles queued: the engine's programs compile on
+    # background threads from now on, beside the rest of the start (the checkpoint's restore,
+    # the executor's workers, the first requests); closing the run drops what has not started.
+    warm = warm_up(client.engine, root, m.engine_warm_up, m.compile_workers, say)
     return Run(
         config=c, root=root, say=say, print_fn=print_fn, mirror=mirror, checked=checked,
         data=data, plan=plan,
         trainer=trainer, client=client, executor=executor, board_client=board, archive=archive,
         proposer=proposer, checkpoints=checkpoints,
         metrics=MetricsLog(os.path.join(root, "metrics.jsonl")),
-        mappings=MappingGuard(log=say), t_start=t_start, last_save=t_start,
+        mappings=MappingGuard(log=say), warm=warm, t_start=t_start, last_save=t_start,
     )  # fmt: skip
 
 
@@ -212,9 +217,11 @@ def warm_up(engine, root: str, mode: str, workers: int, say: Callable[[str], Non
     """Starts compiling the engine's programs before the first rollout (--engine_warm_up): the
     shapes this run met before it stopped (its record in the run directory), and with "all"
     every shape the flags allow but the resumes. The compiles run in the background while the
-    run goes on (warmup.WarmUp); the line saying they are done comes when they are. A record
+    run starts (warmup.WarmUp); the line saying they are done comes when they are. A record
     that cannot be read is reported and left for the run to overwrite. Returns the WarmUp, or
     None when there is nothing to warm."""
+    if mode == "auto":  # on 2 CPU cores it measured no gain (docs/benchmarks.md, "Cold start")
+        mode = "off" if jax.default_backend() == "cpu" else "recorded"
     if mode == "off":
         return None
     from whale_jax.engine import warmup

@@ -34,7 +34,7 @@ SCHEDULES = ("fixed", "adaptive")
 PROPOSERS = ("offline", "gemini", "openai", "command")
 
 
-WARM_UPS = ("recorded", "all", "off")  # --engine_warm_up (whale_jax/engine/warmup.py)
+WARM_UPS = ("auto", "recorded", "all", "off")  # --engine_warm_up (whale_jax/engine/warmup.py)
 
 
 class ConfigError(ValueError):
@@ -171,9 +171,10 @@ class ModelSettings:
     sandbox: str = ""  # strict | shared_uid | landlock ("": $WHALE_SANDBOX or strict)
     # Engine programs compiled before the first rollout (whale_jax/engine/warmup.py): "recorded"
     # (the shapes this run met before it stopped), "all" (and every shape the flags allow but
-    # the resumes), "off".
-    engine_warm_up: str = "recorded"
-    compile_workers: int = 0  # threads of that warm-up (0: the host's cores, at most 8)
+    # the resumes), "off"; "auto": recorded on accelerators, off on the CPU (where it measured
+    # no gain: docs/benchmarks.md, "Cold start").
+    engine_warm_up: str = "auto"
+    compile_workers: int = 0  # threads of that warm-up (0: half the host's cores, at most 8)
 
     def sampling(self) -> SamplingSettings:
         """A model call's default settings: these flags, nothing else."""

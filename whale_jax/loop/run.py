@@ -37,7 +37,7 @@ import jax
 
 from harness.files import write_json
 from whale_jax.loop import schedule as sched
-from whale_jax.loop.build import Run, build, close, warm_up
+from whale_jax.loop.build import Run, build, close
 from whale_jax.loop.config import RunConfig
 from whale_jax.loop.evaluate import evaluate
 from whale_jax.loop.hosts import sync_harness
@@ -73,12 +73,12 @@ def run(
             sync_harness(r)
         s = r.state
         if s.done:
+            if r.warm is not None:
+                r.warm.cancel()  # nothing will roll out
             r.say("this run is already finished")
             summary = finish(r)
             push_mirror(r)
             return summary
-        m = r.config.model
-        warm_up(r.client.engine, r.root, m.engine_warm_up, m.compile_workers, r.say)
         if not resumed:
             emit(r, "start", config_hash=s.config_hash, splits=r.data.sizes(),
                  total_steps=r.plan.total_steps, method=r.plan.method)  # fmt: skip
