@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -88,7 +89,7 @@ def write_record(path: str, shapes: Mapping[str, Iterable[tuple]]) -> None:
     """Writes a record atomically (a reader never sees half a file)."""
     body = {"format": FORMAT,
             "shapes": {name: sorted(map(list, sigs)) for name, sigs in sorted(shapes.items())}}  # fmt: skip
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # hosts sharing a run directory never collide
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(body, f, indent=1)
         f.write("\n")

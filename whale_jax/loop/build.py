@@ -232,7 +232,7 @@ def warm_up(engine, root: str, mode: str, workers: int, say: Callable[[str], Non
     except warmup.RecordError as e:
         say(f"engine warm-up: {e}; warming without it (the run writes a new one)")
         record = None
-    if record is None and mode != "all":
+    if not record and mode != "all":  # none yet (a first start), or one with no shapes
         return None
     what = [f"the {sum(map(len, record.values()))} shapes this run met before"] if record else []
     if mode == "all":
