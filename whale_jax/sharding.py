@@ -30,6 +30,14 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+def on_device(device):
+    """The sharding that places an array whole on ``device``: jax 0.12's
+    ``make_single_device_sharding`` where it exists (``SingleDeviceSharding`` is deprecated
+    there), the class itself before."""
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    return make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
+
+
 def make_mesh(data: int = 1, fsdp: int = -1, tp: int = 1, devices=None) -> Mesh:
     """A (data, fsdp, tp) mesh over ``devices`` (default: all); one size may be -1 (the rest)."""
     devices = list(jax.devices() if devices is None else devices)

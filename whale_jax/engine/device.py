@@ -37,11 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-from jax.sharding import SingleDeviceSharding
 
 from whale_jax.engine.sampling import SlotSampling, sample
 from whale_jax.models.config import FULL
 from whale_jax.models.transformer import KV_SEQ_AXIS, DecodeCache, Transformer, split_groups
+from whale_jax.sharding import on_device
 
 Array = jax.Array
 
@@ -379,7 +379,7 @@ class DeviceEngine:
         # stays the same from the first call on, whichever arrays the weights later come from.
         self.params = jax.device_put(self.params, self.shardings)
         devices = {d for sharding in jax.tree.leaves(self.shardings) for d in sharding.device_set}
-        self._home = SingleDeviceSharding(devices.pop()) if len(devices) == 1 else None
+        self._home = on_device(devices.pop()) if len(devices) == 1 else None
         self.groups = _split_groups(self.params) if self.unroll else None
         self._model_dtype = model.dtype
         self.kv = _is_kv(self.cfg.layer_types[: self.cfg.period])

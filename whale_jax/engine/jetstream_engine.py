@@ -60,12 +60,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh
 
 from whale_jax.engine.device import DeviceEngine, Prefix, _generate, _insert, _prefill
 from whale_jax.engine.engine import EngineConfig, _bucket
 from whale_jax.engine.sampling import request_key
 from whale_jax.models.transformer import Transformer
+from whale_jax.sharding import on_device
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ class JetStreamEngine(js.engine_api.Engine):
         return self._dev.empty_state()
 
     def get_prefix_destination_sharding(self) -> Any:
-        return SingleDeviceSharding(self.device)
+        return on_device(self.device)
 
     def get_tokenizer(self):
         return js.tokenizer_pb2.TokenizerParameters(path="whale_jax")
