@@ -93,7 +93,7 @@ def run_case(case: str, workload: str, cache: str, record: str, args) -> dict:
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent)
     if done.returncode != 0:
-        raise SystemExit(f"{case} {workload} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{case} {workload} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     warm = result["warm_up"]
     print(f"{workload:8s} {case:12s} cold start {result['cold_start_s']:6.1f} s "
@@ -118,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-rows", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--workers", type=int, default=0, help="warm-up threads (0: the default)")
+    ap.add_argument("--cases", default=",".join(CASES), help="of " + ", ".join(CASES)
+                    + " (first is always run: it writes the record and fills the cache)")  # fmt: skip
     ap.add_argument("--no-all", action="store_true", help="skip the 'all' case (minutes)")
     ap.add_argument("--quick", action="store_true", help="8 tasks, h0 only, no 'all'")
     ap.add_argument("--out", default="benchmarks/results/cold_start.json")
@@ -151,7 +153,13 @@ def main(argv=None) -> int:
         for i, workload in enumerate(args.workloads.split(",")):
             cache = os.path.join(tmp, f"{workload}-cache")
             record = os.path.join(tmp, f"{workload}-shapes.json")
-            cases = [*CASES, *(["all"] if i == 0 and not args.no_all else [])]
+            chosen = set(args.cases.split(",")) | {"first"}
+            unknown = chosen - set(CASES)
+            if unknown:
+                raise SystemExit(f"--cases: {', '.join(sorted(unknown))} not among "
+                                 f"{', '.join(CASES)}")  # fmt: skip
+            cases = [c for c in CASES if c in chosen]
+            cases += ["all"] if i == 0 and not args.no_all else []
             for case in cases:
                 fresh = case in ("first", "moved_warm", "all")
                 where = os.path.join(tmp, f"{workload}-{case}-cache") if fresh else cache

@@ -23,6 +23,9 @@ Parts, in order (``--parts`` picks among the last two):
 3. ``rollouts``: benchmarks/bench_rollout.py's workloads (``--workloads``) at 64 slots with
    SmolLM2-135M-Instruct (the bundled GGUF), the prefix cache on: end to end tokens/s over the bare
    engine's at the workload's shape.
+4. ``cold_start`` (not in the default parts: a few minutes more): benchmarks/bench_cold_start.py
+   on h0, a fresh process per case: compiled as met (empty cache), read from the persistent cache,
+   and the cache plus the warm-up from the first case's record (``--engine_warm_up=recorded``).
 
 ``--quick`` runs the tiny Qwen3.5 config, small shapes and the rollout CPU proxy (``--model tiny``),
 to check the program anywhere. Writes ``--out`` (default benchmarks/results/bench_device.json).
@@ -223,10 +226,21 @@ def bench_rollouts(args) -> list[dict]:
     return [{k: r[k] for k in keys if k in r} for r in runs]
 
 
+def bench_cold_start(args) -> list[dict]:
+    import bench_cold_start
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cold_start.json"
+        bench_cold_start.main(["--workloads", "h0", "--cases", "first,resume,resume_warm",
+                               "--no-all", "--tasks", str(args.rollout_tasks // 2),
+                               "--out", str(out)])  # fmt: skip
+        return json.loads(out.read_text())["runs"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="models,rollouts",
-                    help="after the limits (always measured): models, rollouts or both")  # fmt: skip
+                    help="after the limits (always measured): models, rollouts, cold_start")  # fmt: skip
     ap.add_argument("--models", default="qwen3_5_2b,qwen3_5_4b")
     ap.add_argument("--slots", default="1,64,256")
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -272,6 +286,9 @@ def main(argv=None) -> int:
             save_results(results, args.out)
     if "rollouts" in parts:
         results["rollouts"] = bench_rollouts(args)
+        save_results(results, args.out)
+    if "cold_start" in parts:
+        results["cold_start"] = attempt("cold_start", functools.partial(bench_cold_start, args))
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     save_results(results, args.out)
     print(f"saved {args.out} ({results['wall_s']} s)")
