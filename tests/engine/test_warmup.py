@@ -264,3 +264,32 @@ def test_the_runs_warm_up_reads_its_record(tiny_llama, tmp_path):
         lines.clear()
         assert warm_up(engine, str(tmp_path), "recorded", 1, lines.append) is None
         assert warmup.RECORD_FILE in lines[0] and "not a shape record" in lines[0]
+
+
+def test_the_runs_record_only_grows_and_a_failed_write_is_reported(tiny_llama, tmp_path):
+    """whale_jax.loop.build.save_shape_record: the engine's shapes are added to the file (a
+    start that met fewer loses nothing); a bad file is replaced; a write that fails is said,
+    never raised (a checkpoint save must not stop for it), and leaves no temporary file."""
+    import types
+
+    from whale_jax.loop.build import save_shape_record
+
+    model, cfg, _ = tiny_llama
+    path = tmp_path / warmup.RECORD_FILE
+    lines = []
+    with Engine(model, CONFIG, eos_ids=()) as engine:
+        engine.generate([Request(prompt_ids=(1, 2, 3), sampling=greedy(2))])
+        run = types.SimpleNamespace(root=str(tmp_path), client=types.SimpleNamespace(engine=engine),
+                                    say=lines.append)  # fmt: skip
+        path.write_text("{")  # unreadable: replaced
+        save_shape_record(run)
+        met = engine.shape_record()
+        assert warmup.read_record(str(path)) == met
+        warmup.write_record(str(path), {"generate": {(3, 48)}})  # an earlier start's
+        save_shape_record(run)
+        assert warmup.read_record(str(path)) == warmup.merge(met, {"generate": {(3, 48)}})
+        path.unlink()
+        path.mkdir()  # cannot be written
+        save_shape_record(run)
+        assert len(lines) == 1 and "could not write the engine's shapes" in lines[0]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [warmup.RECORD_FILE]

@@ -90,10 +90,15 @@ def write_record(path: str, shapes: Mapping[str, Iterable[tuple]]) -> None:
     body = {"format": FORMAT,
             "shapes": {name: sorted(map(list, sigs)) for name, sigs in sorted(shapes.items())}}  # fmt: skip
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # hosts sharing a run directory never collide
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(body, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(body, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def merge(*records: Mapping[str, Iterable[tuple]]) -> Shapes:

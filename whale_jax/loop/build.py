@@ -254,7 +254,8 @@ def warm_up(engine, root: str, mode: str, workers: int, say: Callable[[str], Non
 def save_shape_record(run: Run) -> None:
     """The shapes the engine met, added to the run directory's record, for the next start's
     warm-up: a record only grows (a start that met nothing yet, or stopped early, loses none of
-    what its earlier selves met). A record that cannot be read is replaced."""
+    what its earlier selves met). A record that cannot be read is replaced; one that cannot be
+    written is reported."""
     from whale_jax.engine import warmup
 
     path = os.path.join(run.root, warmup.RECORD_FILE)
@@ -262,7 +263,10 @@ def save_shape_record(run: Run) -> None:
         old = warmup.read_record(path) or {}
     except warmup.RecordError:  # reported by the warm-up at the start
         old = {}
-    warmup.write_record(path, warmup.merge(old, run.client.engine.shape_record()))
+    try:
+        warmup.write_record(path, warmup.merge(old, run.client.engine.shape_record()))
+    except OSError as e:  # only a restart's warm-up needs it: never a reason to stop a save
+        run.say(f"could not write the engine's shapes to {path}: {e}")
 
 
 def check_shared_checkpoints(checkpoint_dir: str) -> None:
