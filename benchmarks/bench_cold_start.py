@@ -161,10 +161,9 @@ def main(argv=None) -> int:
             cases = [c for c in CASES if c in chosen]
             cases += ["all"] if i == 0 and not args.no_all else []
             for case in cases:
-                fresh = case in ("first", "moved_warm", "all")
-                where = os.path.join(tmp, f"{workload}-{case}-cache") if fresh else cache
-                if case == "first":
-                    where = cache  # the cache the resumes read
+                # first fills the cache the resumes read; the others start from an empty one
+                shared = case in ("first", "resume", "resume_warm")
+                where = cache if shared else os.path.join(tmp, f"{workload}-{case}-cache")
                 results["runs"].append(run_case(case, workload, where, record, args))
                 save_results(results, args.out)
     print(f"saved {args.out}")

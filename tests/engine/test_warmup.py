@@ -267,12 +267,12 @@ def test_the_runs_warm_up_reads_its_record(tiny_llama, tmp_path):
 
 
 def test_the_runs_record_only_grows_and_a_failed_write_is_reported(tiny_llama, tmp_path):
-    """whale_jax.loop.build.save_shape_record: the engine's shapes are added to the file (a
+    """whale_jax.loop.saving.save_shape_record: the engine's shapes are added to the file (a
     start that met fewer loses nothing); a bad file is replaced; a write that fails is said,
     never raised (a checkpoint save must not stop for it), and leaves no temporary file."""
     import types
 
-    from whale_jax.loop.build import save_shape_record
+    from whale_jax.loop.saving import save_shape_record
 
     model, cfg, _ = tiny_llama
     path = tmp_path / warmup.RECORD_FILE

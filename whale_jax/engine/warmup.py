@@ -30,9 +30,10 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from harness.files import write_json
 
 log = logging.getLogger(__name__)
 
@@ -86,19 +87,9 @@ def read_record(path: str) -> Shapes | None:
 
 
 def write_record(path: str, shapes: Mapping[str, Iterable[tuple]]) -> None:
-    """Writes a record atomically (a reader never sees half a file)."""
-    body = {"format": FORMAT,
-            "shapes": {name: sorted(map(list, sigs)) for name, sigs in sorted(shapes.items())}}  # fmt: skip
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # hosts sharing a run directory never collide
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(body, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Writes a record atomically (``harness.files``: a reader never sees half a file)."""
+    write_json(path, {"format": FORMAT,
+                      "shapes": {name: sorted(map(list, sigs)) for name, sigs in shapes.items()}})  # fmt: skip
 
 
 def merge(*records: Mapping[str, Iterable[tuple]]) -> Shapes:

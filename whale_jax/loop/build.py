@@ -25,6 +25,7 @@ from whale_jax.loop.config import ConfigError, RunConfig
 from whale_jax.loop.data import DomainData
 from whale_jax.loop.metrics import MetricsLog, TensorBoard
 from whale_jax.loop.preflight import Checked, engine_devices
+from whale_jax.loop.saving import save_shape_record
 from whale_jax.loop.state import LoopState
 from whale_jax.sharding import process_gather_json
 from whale_jax.train.rsft import DataCursor
@@ -249,24 +250,6 @@ def warm_up(engine, root: str, mode: str, workers: int, say: Callable[[str], Non
 
     return engine.warm_up(record, everything=mode == "all", workers=threads, background=True,
                           on_done=done)  # fmt: skip
-
-
-def save_shape_record(run: Run) -> None:
-    """The shapes the engine met, added to the run directory's record, for the next start's
-    warm-up: a record only grows (a start that met nothing yet, or stopped early, loses none of
-    what its earlier selves met). A record that cannot be read is replaced; one that cannot be
-    written is reported."""
-    from whale_jax.engine import warmup
-
-    path = os.path.join(run.root, warmup.RECORD_FILE)
-    try:
-        old = warmup.read_record(path) or {}
-    except warmup.RecordError:  # reported by the warm-up at the start
-        old = {}
-    try:
-        warmup.write_record(path, warmup.merge(old, run.client.engine.shape_record()))
-    except OSError as e:  # only a restart's warm-up needs it: never a reason to stop a save
-        run.say(f"could not write the engine's shapes to {path}: {e}")
 
 
 def check_shared_checkpoints(checkpoint_dir: str) -> None:

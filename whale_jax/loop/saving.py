@@ -3,12 +3,12 @@ by steps or minutes, and the save on preemption when the grace period allows it.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING
 
 import jax
 
-from whale_jax.loop.build import save_shape_record
 from whale_jax.loop.hosts import agreed
 
 if TYPE_CHECKING:
@@ -34,6 +34,24 @@ def save(run: Run, *, best: bool = False, wait: bool = False) -> None:
         run.checkpoints.wait()
     run.last_save = time.monotonic()
     run.dirty = False
+
+
+def save_shape_record(run: Run) -> None:
+    """The shapes the engine met, added to the run directory's record, for the next start's
+    warm-up: a record only grows (a start that met nothing yet, or stopped early, loses none of
+    what its earlier selves met). A record that cannot be read is replaced; one that cannot be
+    written is reported."""
+    from whale_jax.engine import warmup
+
+    path = os.path.join(run.root, warmup.RECORD_FILE)
+    try:
+        old = warmup.read_record(path) or {}
+    except warmup.RecordError:  # reported by the warm-up at the start
+        old = {}
+    try:
+        warmup.write_record(path, warmup.merge(old, run.client.engine.shape_record()))
+    except OSError as e:  # only a restart's warm-up needs it: never a reason to stop a save
+        run.say(f"could not write the engine's shapes to {path}: {e}")
 
 
 def push_mirror(run: Run, *, alone: bool = False) -> None:
