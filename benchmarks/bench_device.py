@@ -4,7 +4,7 @@ at Qwen3.5-2B/4B shapes against them, then rollouts end to end; JSON saved after
     python benchmarks/bench_device.py                      # a GPU or TPU host (about 8 minutes)
     python benchmarks/bench_device.py --quick              # the same program in minutes on a CPU
 
-Parts, in order (``--parts`` picks among the last two):
+Parts, in order (``--parts`` picks among all but the first):
 
 1. ``limits``: memory bandwidth (an elementwise pass over a ``--hbm-gib`` bf16 array: read and
    write) and the bf16 matmul peak (``--matmul-n`` square matmuls), both measured here: the
@@ -16,14 +16,18 @@ Parts, in order (``--parts`` picks among the last two):
      tokens/s beside the roofline ``slots / ((weight bytes + slots x decode-state bytes at the
      mean context) / bandwidth)``, a bound: it counts every byte read once and nothing written;
    - prefill: ``--prefill-batch`` prompts of ``--prefill-len`` tokens in one call; tokens/s and
-     MFU (the forward's matmul FLOPs, attention at the mean causal context);
+     MFU (the forward's matmul FLOPs, attention at the mean causal context); the engine's memory
+     estimate of that call beside XLA's compiled count on this device;
    - train: the RSFT train step (bf16 compute, fp32 masters, remat) over ``--train-rows`` rows of
      ``--train-len`` tokens, their second half trained; tokens/s and MFU (3x the forward's FLOPs).
    A part that fails (memory) is recorded with its error and the program goes on.
 3. ``rollouts``: benchmarks/bench_rollout.py's workloads (``--workloads``) at 64 slots with
    SmolLM2-135M-Instruct (the bundled GGUF), the prefix cache on: end to end tokens/s over the bare
    engine's at the workload's shape.
-4. ``cold_start`` (not in the default parts: a few minutes more): benchmarks/bench_cold_start.py
+4. ``knobs`` (not in the default parts: a few minutes more): h0 and the vote end to end at each
+   decode steps per call x prefill batch of ``KNOBS``, to set the engine's defaults by backend
+   (``whale_jax.engine.engine.BACKEND_DEFAULTS``).
+5. ``cold_start`` (not in the default parts: a few minutes more): benchmarks/bench_cold_start.py
    on h0, a fresh process per case: compiled as met (empty cache), read from the persistent cache,
    and the cache plus the warm-up from the first case's record (``--engine_warm_up=recorded``).
 
@@ -151,8 +155,32 @@ def bench_prefill(model, cfg, args, limits: dict) -> dict:
 
     seconds = timed(lambda: jax.block_until_ready(device.prefill(tokens, lengths)), args.repeats)
     flops = P * T * flops_per_token(cfg, T / 2)
-    return {"prompts": P, "tokens_each": T, "tokens_per_s": round(P * T / seconds, 1),
-            "mfu": round(flops / seconds / (limits["matmul_bf16_tflops"] * 1e12), 3)}  # fmt: skip
+    out = {"prompts": P, "tokens_each": T, "tokens_per_s": round(P * T / seconds, 1),
+           "mfu": round(flops / seconds / (limits["matmul_bf16_tflops"] * 1e12), 3)}  # fmt: skip
+    out["memory_mib"] = prompt_memory(model, cfg, P, T)
+    return out
+
+
+def prompt_memory(model, cfg, P: int, T: int) -> dict:
+    """The engine's estimate of a prefill call's memory (``device.prompt_call_bytes``, what its
+    ``prompt_bytes`` budget is checked against) beside this device's compiled count (temporaries
+    plus outputs, ``memory_analysis``): the estimate must not be below it."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from whale_jax.engine import device as dev
+
+    graphdef, params = nnx.split(model)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    analysis = dev._prefill.lower(graphdef, params, None, i32(P, T), i32(P)).compile()
+    analysis = analysis.memory_analysis()
+    estimate = dev.prompt_call_bytes(cfg, P, T, T, model.dtype) / 2**20
+    if analysis is None:
+        return {"estimate": round(estimate, 1), "compiled": None}
+    compiled = (analysis.temp_size_in_bytes + analysis.output_size_in_bytes) / 2**20
+    return {"estimate": round(estimate, 1), "compiled": round(compiled, 1),
+            "estimate_over_compiled": round(estimate / compiled, 2)}  # fmt: skip
 
 
 def bench_train_step(cfg, args, limits: dict) -> dict:
@@ -226,6 +254,33 @@ def bench_rollouts(args) -> list[dict]:
     return [{k: r[k] for k in keys if k in r} for r in runs]
 
 
+# Decode steps per call x most rows per prefill call: the engine's defaults by backend
+# (whale_jax/engine/engine.py, BACKEND_DEFAULTS) are to be set from this sweep.
+KNOBS = [(8, 16), (16, 16), (8, 64), (16, 64), (32, 64)]
+
+
+def bench_knobs(args) -> list[dict]:
+    import bench_rollout
+
+    rows = []
+    for steps, batch in KNOBS:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rollout.json"
+            bench_rollout.main(["--workloads", "h0,vote", "--modes", "on", "--slots", "64",
+                                "--tasks", str(args.rollout_tasks), "--steps", str(steps),
+                                "--prefill-batch", str(batch),
+                                "--model", "tiny" if args.quick else "smollm2",
+                                "--out", str(out)])  # fmt: skip
+            for r in json.loads(out.read_text())["runs"]:
+                rows.append({"steps": steps, "prefill_batch": batch, "workload": r["workload"],
+                             "wall_s": r["wall_s"], "compile_s": r.get("compile_s"),
+                             "sampled_over_bare": r.get("sampled_over_bare"),
+                             "sampled_over_bare_excluding_compile":
+                                 r.get("sampled_over_bare_excluding_compile")})  # fmt: skip
+                print(f"  knobs: {rows[-1]}", flush=True)
+    return rows
+
+
 def bench_cold_start(args) -> list[dict]:
     import bench_cold_start
 
@@ -240,7 +295,8 @@ def bench_cold_start(args) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="models,rollouts",
-                    help="after the limits (always measured): models, rollouts, cold_start")  # fmt: skip
+                    help="after the limits (always measured): models, rollouts, knobs, "
+                    "cold_start")  # fmt: skip
     ap.add_argument("--models", default="qwen3_5_2b,qwen3_5_4b")
     ap.add_argument("--slots", default="1,64,256")
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -286,6 +342,9 @@ def main(argv=None) -> int:
             save_results(results, args.out)
     if "rollouts" in parts:
         results["rollouts"] = bench_rollouts(args)
+        save_results(results, args.out)
+    if "knobs" in parts:
+        results["knobs"] = attempt("knobs", functools.partial(bench_knobs, args))
         save_results(results, args.out)
     if "cold_start" in parts:
         results["cold_start"] = attempt("cold_start", functools.partial(bench_cold_start, args))

@@ -89,6 +89,13 @@ flags.DEFINE_integer("engine_cache_rows", 0, "Decode states the engine keeps (pa
                      "prompt prefixes; each costs a slot's memory). 0: two per episode in "
                      "flight, fewer if they would take over a quarter of the memory left after "
                      "the weights, optimizer state and slots, never fewer than --engine_slots.")  # fmt: skip
+flags.DEFINE_integer("engine_steps", 0, "Decode steps per engine call (0: by backend, 8 on "
+                     "the CPU, 16 on accelerators).")  # fmt: skip
+flags.DEFINE_integer("engine_prefill_batch", 0, "Most prompts one prefill or resume call "
+                     "computes (0: by backend, 8 on the CPU, 64 on accelerators).")  # fmt: skip
+flags.DEFINE_integer("engine_prompt_mib", 0, "Device memory one prefill or resume call may "
+                     "take, in MiB; a batch that would need more goes in smaller calls (0: half "
+                     "the memory free once the engine's slots and cache are allocated).")  # fmt: skip
 flags.DEFINE_enum("sandbox", "", ["", "strict", "shared_uid", "landlock"], "Sandbox mode "
                   "(empty: $WHALE_SANDBOX or strict); docs/harness.md.")  # fmt: skip
 # RSFT.
@@ -247,7 +254,8 @@ def config_from_flags(f=F) -> cfg.RunConfig:
             temperature=f.temperature, top_p=f.top_p, top_k=f.top_k,
             max_new_tokens=f.max_new_tokens, concurrency=f.concurrency, sandbox=f.sandbox,
             engine_cache_rows=f.engine_cache_rows, engine_warm_up=f.engine_warm_up,
-            compile_workers=f.compile_workers,
+            compile_workers=f.compile_workers, engine_steps=f.engine_steps,
+            engine_prefill_batch=f.engine_prefill_batch, engine_prompt_mib=f.engine_prompt_mib,
         ),
         rsft=built(rsft_flags, lambda: RSFTConfig(
             prompt_batch=f.prompt_batch, samples=f.samples, reward_threshold=f.reward_threshold,

@@ -379,9 +379,10 @@ class DeviceEngine:
         # stays the same from the first call on, whichever arrays the weights later come from.
         self.params = jax.device_put(self.params, self.shardings)
         devices = {d for sharding in jax.tree.leaves(self.shardings) for d in sharding.device_set}
-        self._home = on_device(devices.pop()) if len(devices) == 1 else None
+        self.home_device = devices.pop() if len(devices) == 1 else None  # None: sharded weights
+        self._home = None if self.home_device is None else on_device(self.home_device)
         self.groups = _split_groups(self.params) if self.unroll else None
-        self._model_dtype = model.dtype
+        self.dtype = model.dtype  # of the weights and the decode state
         self.kv = _is_kv(self.cfg.layer_types[: self.cfg.period])
         self.signatures: dict[str, set] = {}  # distinct compiled shapes per function
         self.ahead: dict[tuple[str, tuple], Future] = {}  # a warm-up's compiles (warmup.py)
@@ -617,7 +618,7 @@ class DeviceEngine:
 
     # -- memory ----------------------------------------------------------------------------------
     def slot_bytes(self) -> int:
-        return cache_bytes_per_slot(self.cfg, self.max_len, self._model_dtype)
+        return cache_bytes_per_slot(self.cfg, self.max_len, self.dtype)
 
 
 def cache_bytes_per_slot(cfg, max_len: int, dtype=jnp.float32) -> int:
@@ -634,6 +635,48 @@ def cache_bytes_per_slot(cfg, max_len: int, dtype=jnp.float32) -> int:
                 cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
             )
     return total
+
+
+def prompt_call_bytes(
+    cfg, rows: int, new: int, window: int, dtype=jnp.float32, *, resume: bool = False
+) -> int:
+    """An upper estimate of the device memory one prefill (``window`` = ``new``) or resume call
+    of ``rows`` rows x ``new`` new tokens over a KV window of ``window`` positions allocates
+    beyond the weights and the engine's state: the prefix it returns (each row's state at the
+    window, and its logits; a resume's gathered rows beside it), one layer's activations with
+    its fp32 attention scores and probabilities over the whole window (the causal blocks of a
+    prefill read about half of it) or a Gated DeltaNet layer's fp32 chunk arrays, and one layer
+    group's weights (a scan step may copy them out of the stack). XLA's own count for such a
+    call on the CPU (``memory_analysis``: temporaries plus outputs) stays below it in fp32:
+    tests/engine/test_prompt_budget.py. It counts what grows with the call's rows, tokens and
+    window; fixed costs of well under a MiB can exceed it on the smallest calls, and XLA:CPU
+    computes in fp32 what a bf16 model does elsewhere (each call converts the weights it reads),
+    which no split of the call would help."""
+    item = jnp.dtype(dtype).itemsize
+    f32 = 4
+    tokens = rows * new
+    out = rows * cache_bytes_per_slot(cfg, window, dtype) * (2 if resume else 1)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    layer = tokens * (4 * d + 3 * f) * item  # the residual stream and the SwiGLU
+    kinds = set(cfg.layer_types)
+    if FULL in kinds:
+        h, n, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = tokens * (h * k * (2 if cfg.attn_output_gate else 1) + 2 * n * k + h * k) * item
+        # A prefill's causal blocks (``layers.causal_attention``) read about half the window.
+        span = window if resume else (window + 64) // 2
+        scores = 2 * rows * h * new * min(span, window) * f32
+        layer = max(layer, qkv + scores + tokens * 2 * d * item)
+    if kinds - {FULL}:
+        chunk = min(64, new)
+        hv = cfg.linear_num_value_heads
+        arrays = tokens * (3 * cfg.gdn_conv_dim + 2 * cfg.gdn_value_dim + 4 * hv) * f32
+        intra = 3 * rows * hv * new * chunk * f32
+        states = rows * hv * cfg.linear_key_head_dim * cfg.linear_value_head_dim * f32 * 2
+        layer = max(layer, arrays + intra + states + tokens * 2 * d * item)
+    group = cfg.num_params() - cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
+    group = group // max(cfg.num_groups, 1) * item
+    # A quarter over: buffers of XLA's fusions that the count above leaves out.
+    return int(1.25 * (out + layer + group))
 
 
 def free_device_bytes(device=None) -> int | None:

@@ -49,6 +49,7 @@ from whale_jax.engine.device import (
     cache_bytes_per_slot,
     free_device_bytes,
     max_slots,
+    prompt_call_bytes,
 )
 from whale_jax.engine.prefix_cache import Entry, PrefixIndex, Tokens, branch_points
 from whale_jax.engine.requests import Completion, Request, RequestError
@@ -62,8 +63,14 @@ log = logging.getLogger(__name__)
 class EngineConfig:
     slots: int = 8
     max_len: int = 1024
-    steps: int = 8  # decode steps per jitted call
-    prefill_batch: int = 8  # most prompts prefilled by one call
+    # Decode steps per generate call and most rows per prefill or resume call; None: by backend
+    # (``BACKEND_DEFAULTS``, resolved by ``resolve``).
+    steps: int | None = None
+    prefill_batch: int | None = None
+    # Device memory one prefill or resume call may take (``device.prompt_call_bytes``): a call
+    # whose rows would need more takes fewer (at least one). None: ``PROMPT_SHARE`` of the
+    # memory free once the engine's decode state and store are allocated.
+    prompt_bytes: int | None = None
     min_bucket: int = 16  # smallest prompt-length bucket of a prefill
     # smallest new-token bucket of a resume (a vote's or a sample's few tokens past a kept prefix)
     min_resume_bucket: int = 4
@@ -107,6 +114,35 @@ class EngineConfig:
     # Wait for each call's device work where it is made (admission, decode), so ``timings`` split
     # host from device time; implies no pipelining.
     sync_timings: bool = False
+
+
+# The engine's defaults that depend on where it runs, in one place. On the CPU (measured: docs/
+# benchmarks.md, "Rollouts end to end") prefill batches of 8 and 16 made no difference and a
+# call costs little beside its work. On an accelerator a call's fixed cost is what counts (one
+# H200, SmolLM2 at 64 slots: ~7.5 ms a generate call of a few steps, ~3.5 ms a prefill of <= 16
+# prompts; a prefill batch of 64 took h0 from 21 to 35 % of the bare engine and the vote from
+# 7-12 to 14 %): larger prefill calls, and twice the decode steps per call. The accelerators'
+# steps are reasoned from that profile, not measured; ``benchmarks/bench_device.py --parts
+# knobs`` sweeps both on a lent device.
+BACKEND_DEFAULTS = {"cpu": {"steps": 8, "prefill_batch": 8}}
+ACCELERATOR_DEFAULTS = {"steps": 16, "prefill_batch": 64}
+PROMPT_SHARE = 0.5  # of the free memory, for one prefill or resume call (``prompt_bytes`` None)
+
+
+def resolve(config: EngineConfig, backend: str | None = None) -> EngineConfig:
+    """``config`` with the fields it leaves to the backend (``steps``, ``prefill_batch``) set for
+    ``backend`` (default: jax's default backend); ``prompt_bytes`` is set by the ``Engine``,
+    which knows the memory left."""
+    backend = backend or jax.default_backend()
+    defaults = BACKEND_DEFAULTS.get(backend, ACCELERATOR_DEFAULTS)
+    fill = {k: v for k, v in defaults.items() if getattr(config, k) is None}
+    config = dataclasses.replace(config, **fill)
+    for name in ("steps", "prefill_batch"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+    if config.prompt_bytes is not None and config.prompt_bytes <= 0:
+        raise ValueError(f"prompt_bytes must be positive, got {config.prompt_bytes}")
+    return config
 
 
 @dataclasses.dataclass
@@ -208,7 +244,7 @@ class Engine:
         detokenize: Callable[[Sequence[int]], str] | None = None,
         device_lock: threading.Lock | None = None,
     ):
-        self.config = c = config
+        self.config = c = resolve(config)
         self.cfg = model.cfg
         self.eos_ids = tuple(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.detokenize = detokenize
@@ -257,7 +293,19 @@ class Engine:
         self.weights_version = 0  # weight swaps that took effect; completions carry it
         self._closed = False
         self._thread: threading.Thread | None = None
-        free = free_device_bytes()
+        free = free_device_bytes(self.device.home_device)
+        if c.prompt_bytes is None:
+            # Without a memory figure: room for the biggest call the flags allow.
+            budget = (int(free * PROMPT_SHARE) if free is not None else
+                      self._call_bytes(c.prefill_batch, c.max_len, c.max_len, True))  # fmt: skip
+            self.config = c = dataclasses.replace(c, prompt_bytes=max(1, budget))
+        self._fits: dict[tuple[int, int, bool], int] = {}
+        longest = self._call_bytes(1, c.max_len, c.max_len, False)
+        if longest > c.prompt_bytes:
+            log.warning("engine: a prefill of one %d-token prompt needs about %.1f MiB, more than "
+                        "the %.1f MiB a call may take: the longest prompts may not fit the "
+                        "device's memory (lower max_len)", c.max_len, longest / 2**20,
+                        c.prompt_bytes / 2**20)  # fmt: skip
         cache_ratio = cache_rows / max(c.slots, 1)
         self.memory = {
             "slot_bytes": slot_bytes,
@@ -270,8 +318,9 @@ class Engine:
                 self.cfg, c.max_len, free_bytes=free, dtype=model.dtype, cache_ratio=cache_ratio
             ),  # fmt: skip
         }
-        log.info("engine: %d slots x %.1f MiB decode state; memory bound %s", c.slots,
-                 slot_bytes / 2**20, self.memory)  # fmt: skip
+        log.info("engine: %d slots x %.1f MiB decode state, %d steps a call, prompt calls of at "
+                 "most %d rows and %.0f MiB; memory bound %s", c.slots, slot_bytes / 2**20,
+                 c.steps, c.prefill_batch, c.prompt_bytes / 2**20, self.memory)  # fmt: skip
         self.stats = collections.Counter()
         self.timings = collections.defaultdict(float)
 
@@ -366,13 +415,17 @@ class Engine:
         kv = sorted({_bucket(n, c.min_kv_bucket, L, c.kv_buckets_per_octave)
                      for n in range(1, L + 1)})  # fmt: skip
         windows = sorted({_bucket(n, c.min_kv_bucket, L) for n in range(1, L)})
-        capacities = sorted({*prompt, *kv})  # a prefill's prefix holds T, a resume's its window
+        prefill = {((P, T),) for T in prompt for P in rows if P <= self._rows_fit(T, T, False)}
+        resume = {((P, T), n) for T in new for n in kv for P in rows
+                  if P <= self._rows_fit(T, n, True)}  # fmt: skip
+        # A prefill's prefix holds T positions, a resume's its window.
+        prefixes = {(P, T) for ((P, T),) in prefill} | {(P, n) for ((P, _), n) in resume}
         return {
             "generate": {(B, n) for n in kv},
-            "prefill": {((P, T),) for P in rows for T in prompt},
-            "resume": {((P, T), n) for P in rows for T in new for n in kv},
-            "insert": {(P, cap, B) for P in rows for cap in capacities},
-            "store_put": {(P, cap, P) for P in rows for cap in capacities},
+            "prefill": prefill,
+            "resume": resume,
+            "insert": {(P, cap, B) for P, cap in prefixes},
+            "store_put": {(P, cap, P) for P, cap in prefixes},
             "insert_stored": {(w, B) for w in windows},
             "park": {(B, w) for w in windows},
         }
@@ -643,7 +696,8 @@ class Engine:
             for resumed, group in by_start.items():
                 group.sort(key=lambda seg: len(seg.key) - seg.have)
                 at = 0
-                for size in _batches(len(group), c.prefill_batch):
+                while at < len(group):
+                    size = self._call_size(group[at:], resumed)
                     self._compute(group[at : at + size], resumed, slots)
                     at += size
             plans = []
@@ -718,11 +772,47 @@ class Engine:
                 index.release(row)
         return list(segments.values())
 
+    def _call_bytes(self, rows: int, new: int, window: int, resumed: bool) -> int:
+        return prompt_call_bytes(self.cfg, rows, new, window, self.device.dtype, resume=resumed)
+
+    def _rows_fit(self, new: int, window: int, resumed: bool) -> int:
+        """The most rows (a power of two, at most ``prefill_batch``'s, at least one) a call of
+        ``new`` padded new tokens over a window of ``window`` may take within ``prompt_bytes``."""
+        key = (new, window, resumed)
+        if key not in self._fits:
+            P = _pow2(self.config.prefill_batch)  # a call's rows pad to a power of two
+            while P > 1 and self._call_bytes(P, new, window, resumed) > self.config.prompt_bytes:
+                P //= 2
+            self._fits[key] = P
+        return self._fits[key]
+
+    def _call_shape(self, group: Sequence[_Segment], resumed: bool) -> tuple[int, int]:
+        """(padded new tokens, KV window) of the call that computes ``group``: a prefill's
+        window is its new tokens."""
+        c = self.config
+        T = self._length_bucket(max(len(seg.key) - seg.have for seg in group), resumed)
+        if not resumed:
+            return T, T
+        longest = max(len(seg.key) for seg in group)
+        return T, _bucket(longest, c.min_kv_bucket, c.max_len, c.kv_buckets_per_octave)
+
+    def _call_size(self, rest: list[_Segment], resumed: bool) -> int:
+        """How many of ``rest`` (shortest first) the next call computes: ``_batches``' first
+        size under ``prefill_batch``, or the largest smaller one whose call fits
+        ``prompt_bytes`` (fewer rows are also shorter ones: the short prompts go together)."""
+        most = self.config.prefill_batch
+        while True:
+            size = _batches(len(rest), most)[0]
+            if size == 1 or _pow2(size) <= self._rows_fit(
+                *self._call_shape(rest[:size], resumed), resumed
+            ):
+                return size
+            most = size - 1
+
     def _compute(self, group: list[_Segment], resumed: bool, slots) -> None:
         """One prefill (from scratch) or resume (from kept states) call for a group of segments;
         keeps their states where they have rows and fills the slots of the requests they end."""
-        c = self.config
-        T = self._length_bucket(max(len(seg.key) - seg.have for seg in group), resumed)
+        T, kv_len = self._call_shape(group, resumed)
         P = _pow2(len(group))
         tokens = np.zeros((P, T), np.int32)
         n_new = np.zeros((P,), np.int32)
@@ -734,8 +824,6 @@ class Engine:
             rows[i] = 0 if seg.start is None else seg.start.row
             start[i] = seg.have
         if resumed:
-            kv_len = _bucket(max(len(seg.key) for seg in group), c.min_kv_bucket, c.max_len,
-                             c.kv_buckets_per_octave)  # fmt: skip
             prefix = self.device.resume(rows, start, tokens, n_new, kv_len)
             self.stats["resumes"] += len(group)
             self.stats["resume_tokens"] += int(n_new.sum())

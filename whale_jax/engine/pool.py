@@ -84,6 +84,11 @@ class EnginePool:
                    detokenize=detokenize, device_lock=turns)
             for d in self.devices
         ]  # fmt: skip
+        # The pool's totals, with what each engine resolved for its backend and memory.
+        resolved = self.engines[0].config
+        self.config = dataclasses.replace(config, steps=resolved.steps,
+                                          prefill_batch=resolved.prefill_batch,
+                                          prompt_bytes=resolved.prompt_bytes)  # fmt: skip
         self.eos_ids = self.engines[0].eos_ids
         self._lock = threading.Lock()
         self._in_flight = [0] * n

@@ -171,16 +171,19 @@ def build(config: RunConfig, checked: Checked, *, log: Callable[[str], None] | N
         free_bytes=free_device_bytes(devices[0]), dtype=model.dtype,
     )  # fmt: skip
     client = EngineClient(model, tokenizer, slots=m.engine_slots, max_len=m.max_len,
-                          seed=c.seed, cache_rows=cache_rows, devices=devices)  # fmt: skip
+                          seed=c.seed, cache_rows=cache_rows, devices=devices,
+                          **m.engine_options())  # fmt: skip
     exec_config = ExecutorConfig(
         concurrency=concurrency, default_settings=m.sampling(),
         run_seed=c.seed, **({"sandbox": Policy(mode=m.sandbox)} if m.sandbox else {}),
     )  # fmt: skip
     executor = Executor(client, exec_config)
-    mem = client.engine.memory
+    mem, ec = client.engine.memory, client.engine.config
     say(f"model {c.model.model} loaded in {time.monotonic() - t0:.1f}s "
         f"({model.cfg.num_params() / 1e6:.1f}M parameters); engine: {m.engine_slots} "
-        f"slots, {mem['cache_rows']} cache rows of {mem['slot_bytes'] / 2**20:.1f} MiB"
+        f"slots, {mem['cache_rows']} cache rows of {mem['slot_bytes'] / 2**20:.1f} MiB, "
+        f"{ec.steps} steps a call, prompt calls of at most {ec.prefill_batch} rows and "
+        f"{ec.prompt_bytes / 2**20:.0f} MiB"
         + (f", over {n} devices" if n > 1 else ""))  # fmt: skip
     board = None
     if c.searches and jax.process_count() > 1:

@@ -89,6 +89,9 @@ RANGES: dict[str, Range] = {
     "concurrency": Range("model.concurrency", 0),
     "engine_cache_rows": Range("model.engine_cache_rows", 0),
     "compile_workers": Range("model.compile_workers", 0),
+    "engine_steps": Range("model.engine_steps", 0),
+    "engine_prefill_batch": Range("model.engine_prefill_batch", 0),
+    "engine_prompt_mib": Range("model.engine_prompt_mib", 0),
     "prompt_batch": Range("rsft.prompt_batch", 1),
     "samples": Range("rsft.samples", 1),
     # Rewards lie in [0, 1] and an episode is kept above the threshold: at 1 nothing ever is; below
@@ -175,6 +178,16 @@ class ModelSettings:
     # no gain: docs/benchmarks.md, "Cold start").
     engine_warm_up: str = "auto"
     compile_workers: int = 0  # threads of that warm-up (0: half the host's cores, at most 8)
+    # The engine's call sizes (0: by backend or memory: whale_jax/engine/engine.py, ``resolve``).
+    engine_steps: int = 0  # decode steps per generate call
+    engine_prefill_batch: int = 0  # most prompts per prefill or resume call
+    engine_prompt_mib: int = 0  # device memory one prefill or resume call may take
+
+    def engine_options(self) -> dict[str, int]:
+        """The ``EngineConfig`` fields these settings give; the rest are left to the engine."""
+        given = {"steps": self.engine_steps, "prefill_batch": self.engine_prefill_batch,
+                 "prompt_bytes": self.engine_prompt_mib * 2**20}  # fmt: skip
+        return {k: v for k, v in given.items() if v}
 
     def sampling(self) -> SamplingSettings:
         """A model call's default settings: these flags, nothing else."""
@@ -283,6 +296,9 @@ OPERATIONAL = (
     "model.sandbox",
     "model.engine_warm_up",
     "model.compile_workers",
+    "model.engine_steps",
+    "model.engine_prefill_batch",
+    "model.engine_prompt_mib",
 )
 
 
