@@ -120,9 +120,12 @@ def test_kill_9_at_several_points_then_resume(baseline, tiny_model_dir, tmp_path
         wait_for_lines(proc, run_dir, n)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    done = run_main(args)
+    # The engine's call sizes are operational: the last start changes them and still resumes.
+    done = run_main(small_run_flags(run_dir, tiny_model_dir, engine_warm_up="recorded",
+                                    engine_steps=4, engine_prefill_batch=2))  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "resumed from checkpoint" in done.stdout
+    assert "4 steps a call, prompt calls of at most 2 rows" in done.stdout, done.stdout[-3000:]
     # The last start warmed what its earlier selves met before it rolled anything out.
     assert re.search(r"engine warm-up: \d+ programs ready", done.stdout), done.stdout[-3000:]
     lines = metric_lines(run_dir)
