@@ -104,7 +104,7 @@ def test_padding_before_a_real_entry_is_refused(tiny_llama):
                            temperature=[0.0] * 2, top_k=[0] * 2, top_p=[1.0] * 2,
                            key=[[0, 0]] * 2)  # fmt: skip
     with pytest.raises(ValueError, match="insert: padding entries"):
-        engine.insert(None, init, 16)
+        engine.insert(init, 16)
 
 
 def test_an_unknown_row_move_is_refused(tiny_llama):

@@ -288,9 +288,10 @@ def test_row_moves_compile_once_per_state_shape(tiny_llama):
     engine.close()
     assert engine.stats["parked"] == 10 and engine.stats["full_hits"] == 10  # repeats: stored
     assert len(sig["park"]) == 1 and len(sig["insert_stored"]) == 1
-    assert {m for *_, m in sig["insert"]} == {4}  # the slot count, whatever the rows
-    assert all(m == p for p, _, m in sig["store_put"])  # the prefix's rows
-    assert len(sig["insert"]) == len(sig["store_put"]) == len(sig["prefill"])
+    # Kept and inserted inside the prefill's own call: one program per prompt shape (1 and 2
+    # new prompts: the rest are served from the store), none for the rows it moves.
+    assert "insert" not in sig and "store_put" not in sig
+    assert sig["prefill"] == {((1, 16),), ((2, 16),)}
 
 
 def test_a_failing_resume_leaves_an_empty_cache_and_the_engine_serves(setup, monkeypatch):

@@ -492,12 +492,14 @@ def test_whole_prompt_hits_admitted_together_go_in_one_insert(tiny_llama, monkey
     engine.generate([Request(prompt_ids=prompt, sampling=greedy(1))])
     calls = []
     insert = engine.device.insert
-    monkeypatch.setattr(engine.device, "insert",
-                        lambda prefix, init, window=None: (calls.append(prefix is None),
-                                                           insert(prefix, init, window))[1])  # fmt: skip
+    monkeypatch.setattr(
+        engine.device,
+        "insert",
+        lambda init, window=None: (calls.append(window), insert(init, window)),
+    )
     outs = engine.generate([Request(prompt_ids=prompt, sampling=greedy(3), identity=(i,))
                             for i in range(5)])  # fmt: skip
-    assert calls == [True]
+    assert len(calls) == 1 and engine.stats["prefills"] == 1  # the first request's only
     assert [o.reused_tokens for o in outs] == [len(prompt)] * 5
     assert_greedy(model, [prompt] * 5, [o.token_ids for o in outs])
     engine.close()

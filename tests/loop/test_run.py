@@ -87,7 +87,7 @@ def test_a_whole_run(baseline, tiny_model_dir):
     assert os.listdir(os.path.join(run_dir, "compile_cache"))  # a resume loads, not compiles
     # ... and warms, before its first rollout, the engine shapes the run met.
     shapes = warmup.read_record(os.path.join(run_dir, warmup.RECORD_FILE))
-    assert {"prefill", "insert", "generate"} <= set(shapes) and shapes["generate"]
+    assert {"prefill", "generate"} <= set(shapes) and shapes["generate"]
     phase = os.path.join(run_dir, "archive", "phase-001")
     assert os.path.exists(os.path.join(phase, "accepted.json"))
     # Finished runs stay finished: a rerun does no work.

@@ -12,15 +12,20 @@ ids, token budget and sampling settings. Every function that changes it donates 
   attention layers only, a row may be continued from any prefix of its tokens.
 - ``insert(state, prefix, rows_M, slots_M, ...)``: copies prefix row ``rows_M[m]`` into slot
   ``slots_M[m]``; one prefix row may fill several slots (n samples of one prompt, one prefill).
+- keeping prefix rows (state and logits) in the store: a prompt prefix that later requests
+  continue from, or a whole prompt that later ones start sampling from without any prefill
+  (``insert`` from store rows).
 - ``generate(state, occupied_B)``: up to ``steps`` tokens for every active slot inside one
   ``while_loop``: draw from the held logits, then feed the drawn token to the model. A slot stops
   on a stop id or its budget; the drawn stop token is not fed, so a finished slot's cache holds
   the prompt and all sampled tokens but the last.
 - ``park(store, state, slots_M, rows_M)``: copies finished slots' decode state into the store,
   keyed by the host (``prefix_cache.PrefixIndex``), so a session's next turn continues from it.
-- ``store_put(store, prefix, ...)``: keeps prefix rows (state and logits) in the store: a prompt
-  prefix that later requests continue from, or a whole prompt that later ones start sampling from
-  without any prefill (``insert`` from store rows).
+
+The engine runs a prefill or resume with its keeping and inserting as one jitted call
+(``_prefill_placed``, ``_resume_placed``): one dispatch and one compiled program per prompt shape
+instead of three (on one H200 each call cost milliseconds whatever its work: docs/
+benchmarks-log.md, 2026-12-04). ``_prefill`` and ``_insert`` alone serve the JetStream adapter.
 
 Parameters are an argument of every call (never closed over), so new weights from the trainer are
 used by the next call without recompiling or a copy through the host.
@@ -298,20 +303,56 @@ def _park(kv, loop, window, store: Prefix, cache: DecodeCache, slots_M, rows_M) 
     return store._replace(cache=moved)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
-def _store_put(kv, loop, store: Prefix, prefix: Prefix, src_rows, dst_rows) -> Prefix:
-    """Store rows ``dst_rows`` <- prefix rows ``src_rows``, logits included."""
-    return Prefix(
-        logits=_copy_logits(store.logits, prefix.logits, src_rows, dst_rows, loop=loop),
-        cache=_copy_rows(store.cache, prefix.cache, kv, src_rows, dst_rows, loop=loop),
-    )
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
 def _insert_stored(kv, loop, window, state: DecodeState, store: Prefix, init: dict) -> DecodeState:
     """``_insert`` straight from store rows (a whole prompt kept with its logits): only the first
     ``window`` positions of each row are copied."""
     return _insert_rows(kv, loop, state, store, init, window)
+
+
+def _place(kv, loop, state: DecodeState, store: Prefix, prefix: Prefix, keep: tuple, init: dict):
+    """A prefill's or resume's rows where they go, in the call that computed them: prefix rows
+    ``keep[0]`` into store rows ``keep[1]``, logits included, and into slots (``_insert``).
+    Entries past the end of the store or the slots are padding: a call that keeps or inserts
+    nothing costs nothing on the CPU's row loop and one dropped scatter elsewhere."""
+    src, dst = keep
+    store = Prefix(
+        logits=_copy_logits(store.logits, prefix.logits, src, dst, loop=loop),
+        cache=_copy_rows(store.cache, prefix.cache, kv, src, dst, loop=loop),
+    )
+    return _insert_rows(kv, loop, state, prefix, init), store
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5, 6))
+def _prefill_placed(graphdef, kv, loop, params, groups, state, store, tokens_PT, lengths_P, keep,
+                    init):  # fmt: skip
+    """``_prefill``, then ``_place`` of its rows: one call, one program, instead of three."""
+    prefix = _prefill.__wrapped__(graphdef, params, groups, tokens_PT, lengths_P)
+    return _place(kv, loop, state, store, prefix, keep, init)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7))
+def _resume_placed(graphdef, kv, kv_len, loop, params, groups, state, store: Prefix, rows_P,
+                   start_P, tokens_PT, n_new_P, keep, init):  # fmt: skip
+    """``_resume`` from store rows, then ``_place`` of its rows (into that same store)."""
+    prefix = _resume.__wrapped__(graphdef, kv, kv_len, params, groups, store.cache, rows_P,
+                                 start_P, tokens_PT, n_new_P)  # fmt: skip
+    return _place(kv, loop, state, store, prefix, keep, init)
+
+
+def _init_arrays(init: SlotInit) -> dict:
+    """``insert``'s host arrays, as they go to the jitted call (its dispatch moves them to the
+    device together, cheaper than one transfer each)."""
+    return {
+        "rows": np.asarray(init.rows, np.int32),
+        "slots": np.asarray(init.slots, np.int32),
+        "max_new": np.asarray(init.max_new, np.int32),
+        "stop_ids": np.asarray(init.stop_ids, np.int32),
+        "temperature": np.asarray(init.temperature, np.float32),
+        "top_k": np.asarray(init.top_k, np.int32),
+        "top_p": np.asarray(init.top_p, np.float32),
+        "key": np.asarray(init.key, np.uint32),
+    }
 
 
 def _abstract(tree):
@@ -463,62 +504,56 @@ class DeviceEngine:
     def compile_counts(self) -> dict[str, int]:
         return {k: len(v) for k, v in self.signatures.items()}
 
-    # -- the five steps --------------------------------------------------------------------------
-    def prefill(self, tokens_PT, lengths_P) -> Prefix:
+    # -- the steps -------------------------------------------------------------------------------
+    def prefill(self, tokens_PT, lengths_P, keep, init: SlotInit) -> None:
+        """Prefills P fresh prompts and, in the same call, keeps prefix rows ``keep[0]`` in
+        store rows ``keep[1]`` and fills slots from prefix rows (``init``); index entries past
+        the end of the store or the slots are padding."""
+        src, dst = self._keep(keep)
+        self._check_slots(init)
         self.note("prefill", tokens_PT.shape)
-        return _prefill(self.graphdef, self.params, None, tokens_PT, lengths_P)  # scanned
-
-    def resume(self, rows_P, start_P, tokens_PT, n_new_P, kv_len: int | None = None) -> Prefix:
-        """Continues store rows, from their first ``start_P`` positions (a row's whole length,
-        or less where every layer is attention: ``partial_resume``), by their new tokens;
-        ``kv_len`` bounds every row's length after them (None: the whole capacity)."""
-        kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
-        self.note("resume", tokens_PT.shape, kv_len)
-        return _resume(
-            self.graphdef, self.kv, kv_len, self.params, None, self.store.cache,  # scanned
-            rows_P, np.asarray(start_P, np.int32), tokens_PT, n_new_P,
+        self.state, self.store = _prefill_placed(
+            self.graphdef, self.kv, self.loop_moves, self.params, None, self.state, self.store,
+            tokens_PT, lengths_P, (src, dst), _init_arrays(init),
         )  # fmt: skip
+
+    def resume(self, rows_P, start_P, tokens_PT, n_new_P, kv_len: int | None, keep,
+               init: SlotInit) -> None:  # fmt: skip
+        """Continues store rows, from their first ``start_P`` positions (a row's whole length,
+        or less where every layer is attention: ``partial_resume``), by their new tokens, and
+        places the results as ``prefill`` does; ``kv_len`` bounds every row's length after them
+        (None: the whole capacity)."""
+        kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
+        src, dst = self._keep(keep)
+        self._check_slots(init)
+        self.note("resume", tokens_PT.shape, kv_len)
+        self.state, self.store = _resume_placed(
+            self.graphdef, self.kv, kv_len, self.loop_moves, self.params, None, self.state,
+            self.store, rows_P, np.asarray(start_P, np.int32), tokens_PT, n_new_P, (src, dst),
+            _init_arrays(init),
+        )  # fmt: skip
+
+    def _keep(self, keep) -> tuple[np.ndarray, np.ndarray]:
+        src, dst = (np.asarray(x, np.int32) for x in keep)
+        _check_padding("keep", dst, self.store.logits.shape[0])
+        return src, dst
+
+    def _check_slots(self, init: SlotInit) -> None:
+        _check_padding("insert", init.slots, self.slots)
 
     @property
     def partial_resume(self) -> bool:
         """Every layer is attention: a kept row serves any prefix of its tokens."""
         return all(self.kv)
 
-    def store_put(self, prefix: Prefix, src_rows, dst_rows) -> None:
-        """Keeps prefix rows (state and last-token logits) in store rows; indices past the end of
-        the store are dropped (padding)."""
-        _check_padding("store_put", dst_rows, self.store.logits.shape[0])
-        self.note("store_put", prefix.logits.shape[0], prefix.cache.capacity, len(src_rows))
-        self.store = _store_put(
-            self.kv, self.loop_moves, self.store, prefix, np.asarray(src_rows, np.int32),
-            np.asarray(dst_rows, np.int32),
-        )  # fmt: skip
-
-    def insert(self, prefix: Prefix | None, init: SlotInit, window: int | None = None) -> None:
-        """Fills slots from prefix rows, or (``prefix`` None) from store rows, copying their
+    def insert(self, init: SlotInit, window: int | None = None) -> None:
+        """Fills slots from store rows (whole prompts kept with their logits), copying their
         first ``window`` positions (a bucket bounding the rows' lengths)."""
-        _check_padding("insert", init.slots, self.slots)
-        # Host arrays go to the jitted call as they are: its dispatch moves them to the device
-        # together, cheaper than one transfer each from here.
-        arrays = {
-            "rows": np.asarray(init.rows, np.int32),
-            "slots": np.asarray(init.slots, np.int32),
-            "max_new": np.asarray(init.max_new, np.int32),
-            "stop_ids": np.asarray(init.stop_ids, np.int32),
-            "temperature": np.asarray(init.temperature, np.float32),
-            "top_k": np.asarray(init.top_k, np.int32),
-            "top_p": np.asarray(init.top_p, np.float32),
-            "key": np.asarray(init.key, np.uint32),
-        }
-        if prefix is None:
-            window = self.max_len if window is None else min(window, self.max_len)
-            self.note("insert_stored", window, len(init.rows))
-            self.state = _insert_stored(
-                self.kv, self.loop_moves, window, self.state, self.store, arrays
-            )
-            return
-        self.note("insert", prefix.logits.shape[0], prefix.cache.capacity, len(init.rows))
-        self.state = _insert(self.kv, self.loop_moves, self.state, prefix, arrays)
+        self._check_slots(init)
+        window = self.max_len if window is None else min(window, self.max_len)
+        self.note("insert_stored", window, len(init.rows))
+        self.state = _insert_stored(self.kv, self.loop_moves, window, self.state, self.store,
+                                    _init_arrays(init))  # fmt: skip
 
     def generate(self, occupied_B, kv_len: int | None = None, min_active: int = 0) -> Array:
         """Advances every occupied, active slot by up to ``steps`` tokens; returns [B, steps] ids
@@ -569,52 +604,35 @@ class DeviceEngine:
                     "key": arg((m, 2), jnp.uint32)}  # fmt: skip
 
         params, kv, loop = _abstract(self.params), self.kv, self.loop_moves
+        state, store = _abstract(self.state), _abstract(self.store)
         if name == "prefill":
             ((P, T),) = signature
-            lowered = _prefill.lower(self.graphdef, params, None, arg((P, T)), arg((P,)))
+            lowered = _prefill_placed.lower(
+                self.graphdef, kv, loop, params, None, state, store, arg((P, T)), arg((P,)),
+                (arg((P,)), arg((P,))), init(self.slots),
+            )  # fmt: skip
         elif name == "resume":
             (P, T), kv_len = signature
-            lowered = _resume.lower(
-                self.graphdef, kv, kv_len, params, None, _abstract(self.store.cache),
-                arg((P,)), arg((P,)), arg((P, T)), arg((P,)),
+            lowered = _resume_placed.lower(
+                self.graphdef, kv, kv_len, loop, params, None, state, store, arg((P,)),
+                arg((P,)), arg((P, T)), arg((P,)), (arg((P,)), arg((P,))), init(self.slots),
             )  # fmt: skip
         elif name == "generate":
             B, kv_len = signature
             lowered = _generate.lower(
                 self.graphdef, kv, self.steps, self.max_top_k, kv_len, params,
-                _abstract(self.groups), _abstract(self.state), arg((B,), bool), arg(()),
+                _abstract(self.groups), state, arg((B,), bool), arg(()),
             )  # fmt: skip
         elif name == "park":
             M, window = signature
-            lowered = _park.lower(kv, loop, window, _abstract(self.store),
-                                  _abstract(self.state.cache), arg((M,)), arg((M,)))  # fmt: skip
+            lowered = _park.lower(kv, loop, window, store, _abstract(self.state.cache), arg((M,)),
+                                  arg((M,)))  # fmt: skip
         elif name == "insert_stored":
             window, M = signature
-            lowered = _insert_stored.lower(kv, loop, window, _abstract(self.state),
-                                           _abstract(self.store), init(M))  # fmt: skip
-        elif name in ("insert", "store_put"):
-            P, cap, M = signature
-            prefix = self._prefix_spec(P, cap)
-            if name == "insert":
-                lowered = _insert.lower(kv, loop, _abstract(self.state), prefix, init(M))
-            else:
-                lowered = _store_put.lower(kv, loop, _abstract(self.store), prefix, arg((M,)),
-                                           arg((M,)))  # fmt: skip
+            lowered = _insert_stored.lower(kv, loop, window, state, store, init(M))
         else:
             raise ValueError(f"no engine step {name!r}")
         lowered.compile()
-
-    def _prefix_spec(self, P: int, capacity: int) -> Prefix:
-        """The abstract ``Prefix`` a prefill of P rows (or a resume over a KV window of
-        ``capacity``: the same arrays) hands to ``insert`` and ``store_put``, placed as the
-        jitted steps place their outputs: on the engine's one device."""
-        if self._home is None:
-            raise ValueError("compiling insert or store_put ahead needs an engine on one device")
-        out = _prefill.eval_shape(self.graphdef, _abstract(self.params), None,
-                                  jax.ShapeDtypeStruct((P, capacity), jnp.int32),
-                                  jax.ShapeDtypeStruct((P,), jnp.int32))  # fmt: skip
-        home = self._home
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=home), out)
 
     # -- memory ----------------------------------------------------------------------------------
     def slot_bytes(self) -> int:

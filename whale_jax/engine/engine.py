@@ -17,9 +17,11 @@ kept with its logits, so a later identical prompt (another sample, another vote)
 
 Shapes are static: prompt lengths are padded to power-of-two buckets (at least ``min_bucket``, or
 ``min_resume_bucket`` for a resume's new tokens, at most ``max_len``), prefill and resume batches
-to powers of two up to ``prefill_batch`` (split where that would pad over a quarter); row moves
-(insert, park, keeping prefill rows) always take one size of index arrays, padded past the real
-entries (padding costs nothing on device), so they compile once per state shape, not per count.
+to powers of two up to ``prefill_batch`` (split where that would pad over a quarter, or where
+the call would take more than ``prompt_bytes``); row moves (insert, park, keeping prefill rows)
+always take one size of index arrays, padded past the real entries (padding costs nothing on
+device), so they compile once per state shape, not per count. A prefill or resume keeps its
+rows in the store and fills slots from them in the same call (``DeviceEngine.prefill``).
 ``compile_counts`` says how many shapes each jitted function has seen.
 
 A bad request (empty prompt, prompt that does not fit, max_new_tokens <= 0, ids outside the
@@ -44,7 +46,6 @@ import numpy as np
 from whale_jax.engine import warmup
 from whale_jax.engine.device import (
     DeviceEngine,
-    Prefix,
     SlotInit,
     cache_bytes_per_slot,
     free_device_bytes,
@@ -418,14 +419,10 @@ class Engine:
         prefill = {((P, T),) for T in prompt for P in rows if P <= self._rows_fit(T, T, False)}
         resume = {((P, T), n) for T in new for n in kv for P in rows
                   if P <= self._rows_fit(T, n, True)}  # fmt: skip
-        # A prefill's prefix holds T positions, a resume's its window.
-        prefixes = {(P, T) for ((P, T),) in prefill} | {(P, n) for ((P, _), n) in resume}
         return {
             "generate": {(B, n) for n in kv},
             "prefill": prefill,
             "resume": resume,
-            "insert": {(P, cap, B) for P, cap in prefixes},
-            "store_put": {(P, cap, P) for P, cap in prefixes},
             "insert_stored": {(w, B) for w in windows},
             "park": {(B, w) for w in windows},
         }
@@ -452,8 +449,7 @@ class Engine:
                 else:
                     unfit += 1
         if everything:
-            skip = {"resume"} | (set() if self.config.prefix_cache else
-                                 {"store_put", "insert_stored"})  # fmt: skip
+            skip = {"resume"} | (set() if self.config.prefix_cache else {"insert_stored"})
             wanted += [(n, sig) for n in warmup.ORDER if n not in skip for sig in space[n]]
         dev = self.device
         tasks, seen = [], set()
@@ -823,32 +819,31 @@ class Engine:
             n_new[i] = len(seg.key) - seg.have
             rows[i] = 0 if seg.start is None else seg.start.row
             start[i] = seg.have
+        # Where the rows go, in the same call: kept states into their store rows (one size of
+        # index arrays per call shape: padding entries cost nothing, compiles do) and the
+        # requests the segments end into slots.
+        src = np.zeros(P, np.int32)
+        dst = np.full(P, self.device.store.logits.shape[0], np.int32)  # past the end: dropped
+        kept = [(i, seg) for i, seg in enumerate(group) if seg.row is not None]
+        for m, (i, seg) in enumerate(kept):
+            src[m], dst[m] = i, seg.row
+        ends = [(i, p.job) for i, seg in enumerate(group) for p in seg.plans
+                if len(p.job.prompt) == len(seg.key)]  # fmt: skip
+        init = self._slot_init(ends, slots)
         if resumed:
-            prefix = self.device.resume(rows, start, tokens, n_new, kv_len)
+            self.device.resume(rows, start, tokens, n_new, kv_len, (src, dst), init)
             self.stats["resumes"] += len(group)
             self.stats["resume_tokens"] += int(n_new.sum())
         else:
-            prefix = self.device.prefill(tokens, n_new)
+            self.device.prefill(tokens, n_new, (src, dst), init)
             self.stats["prefills"] += len(group)
             self.stats["prefill_tokens"] += int(n_new.sum())
-        kept = [(i, seg) for i, seg in enumerate(group) if seg.row is not None]
-        if kept:
-            M = P  # one size per prefix shape: padding entries cost nothing, compiles do
-            src = np.zeros(M, np.int32)
-            dst = np.full(M, self.device.store.logits.shape[0], np.int32)  # past the end: dropped
-            for m, (i, seg) in enumerate(kept):
-                src[m], dst[m] = i, seg.row
-            self.device.store_put(prefix, src, dst)
-            for _, seg in kept:
-                assert seg.row is not None
-                # A snapshot point (a boundary, a branch point) is kept for prompts to come; a
-                # whole prompt only in case it comes again.
-                entry = self._index.add(seg.key, seg.row, logits=True, hot=seg.continuing)
-                seg.entry = entry or self._index.get(seg.key)
-        ends = [(i, p.job) for i, seg in enumerate(group) for p in seg.plans
-                if len(p.job.prompt) == len(seg.key)]  # fmt: skip
-        if ends:
-            self._insert(prefix, ends, slots)
+        for _, seg in kept:
+            assert seg.row is not None
+            # A snapshot point (a boundary, a branch point) is kept for prompts to come; a
+            # whole prompt only in case it comes again.
+            entry = self._index.add(seg.key, seg.row, logits=True, hot=seg.continuing)
+            seg.entry = entry or self._index.get(seg.key)
 
     def _length_bucket(self, n: int, resumed: bool) -> int:
         """The padded new-token length of a prefill or resume of at most ``n`` new tokens."""
@@ -866,16 +861,17 @@ class Engine:
         for p in ready:
             assert p.start is not None
             pairs.append((p.start.row, p.job))
-        self._insert(None, pairs, slots, window=window)
+        self.device.insert(self._slot_init(pairs, slots), window)
         self.stats["full_hits"] += len(ready)
         for p in ready:
             assert p.start is not None
             self._index.unpin(p.start)
 
-    def _insert(self, prefix: Prefix | None, pairs: list[tuple[int, _Job]], slots, *,
-                window: int | None = None) -> None:  # fmt: skip
+    def _slot_init(self, pairs: list[tuple[int, _Job]], slots) -> SlotInit:
+        """Slots for ``pairs`` (source row, job), taken from ``slots``: the jobs run there from
+        now on. One size for every insert, the slot count (padding is free, compiles not)."""
         E = self.config.max_stop_ids
-        B = M = self.config.slots  # one size for every insert (padding is free, compiles not)
+        B = M = self.config.slots
         init = dict(
             rows=np.zeros(M, np.int32),
             slots=np.full(M, B, np.int32),  # padding entries point past the end: dropped
@@ -899,7 +895,7 @@ class Engine:
             self._running[slot] = job
             self.stats["cached_tokens"] += job.reused
             self.stats["cache_hits"] += job.reused > 0
-        self.device.insert(prefix, SlotInit(**init), window=window)
+        return SlotInit(**init)
 
     # -- decode ----------------------------------------------------------------------------------
     def _dispatch(self) -> bool:

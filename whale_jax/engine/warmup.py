@@ -43,7 +43,7 @@ RECORD_FILE = "engine_shapes.json"
 Shapes = dict[str, set[tuple]]
 # The engine's jitted steps, in the order a warm-up compiles them: decode first (every rollout
 # meets it), then what prompts meet.
-ORDER = ("generate", "prefill", "insert", "store_put", "insert_stored", "park", "resume")
+ORDER = ("generate", "prefill", "insert_stored", "park", "resume")
 
 
 class RecordError(ValueError):
