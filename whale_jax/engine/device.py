@@ -45,6 +45,8 @@ from flax import nnx, struct
 
 from whale_jax.engine.sampling import SlotSampling, sample
 from whale_jax.models.config import FULL
+from whale_jax.models.gated_delta import CHUNK
+from whale_jax.models.layers import ATTENTION_BLOCK
 from whale_jax.models.transformer import KV_SEQ_AXIS, DecodeCache, Transformer, split_groups
 from whale_jax.sharding import on_device
 
@@ -681,11 +683,11 @@ def prompt_call_bytes(
         h, n, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = tokens * (h * k * (2 if cfg.attn_output_gate else 1) + 2 * n * k + h * k) * item
         # A prefill's causal blocks (``layers.causal_attention``) read about half the window.
-        span = window if resume else (window + 64) // 2
+        span = window if resume else (window + ATTENTION_BLOCK) // 2
         scores = 2 * rows * h * new * min(span, window) * f32
         layer = max(layer, qkv + scores + tokens * 2 * d * item)
     if kinds - {FULL}:
-        chunk = min(64, new)
+        chunk = min(CHUNK, new)
         hv = cfg.linear_num_value_heads
         arrays = tokens * (3 * cfg.gdn_conv_dim + 2 * cfg.gdn_value_dim + 4 * hv) * f32
         intra = 3 * rows * hv * new * chunk * f32

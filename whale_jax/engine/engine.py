@@ -298,7 +298,7 @@ class Engine:
         if c.prompt_bytes is None:
             # Without a memory figure: room for the biggest call the flags allow.
             budget = (int(free * PROMPT_SHARE) if free is not None else
-                      self._call_bytes(c.prefill_batch, c.max_len, c.max_len, True))  # fmt: skip
+                      self._call_bytes(_pow2(c.prefill_batch), c.max_len, c.max_len, True))  # fmt: skip
             self.config = c = dataclasses.replace(c, prompt_bytes=max(1, budget))
         self._fits: dict[tuple[int, int, bool], int] = {}
         longest = self._call_bytes(1, c.max_len, c.max_len, False)

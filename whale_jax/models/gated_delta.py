@@ -84,6 +84,9 @@ class ChunkLayout(NamedTuple):
     dtype: Any  # the output dtype (v's)
 
 
+CHUNK = 64  # tokens per chunk of the chunked form (prefill and training)
+
+
 def to_chunks(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV, chunk_size: int):
     """The chunked form's inputs: fp32, key/query heads repeated to the value heads, q scaled by
     K^-1/2, the sequence zero-padded to whole chunks (a run of no-op tokens) and laid out
@@ -161,7 +164,7 @@ def chunked_gated_delta_rule(
     beta_BTH: Array,
     state_BHKV: Array | None = None,
     *,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK,
     remat: bool = True,
 ) -> tuple[Array, Array]:
     """Chunked form (see the module docstring). Same contract as the recurrent form. ``remat``
@@ -208,7 +211,7 @@ def gated_delta_rule(
     beta_BTH: Array,
     state_BHKV: Array | None = None,
     *,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK,
 ) -> tuple[Array, Array]:
     """(q, k, v, g, beta, initial_state) -> (out, final_state); recurrent for one token, else chunked.
 
