@@ -166,25 +166,24 @@ def bench_prefill(model, cfg, args, limits: dict) -> dict:
     return out
 
 
-def prompt_memory(model, cfg, P: int, T: int) -> dict:
-    """The engine's estimate of a prefill call's memory (``device.prompt_call_bytes``, what its
-    ``prompt_bytes`` budget is checked against) beside this device's compiled count (temporaries
-    plus outputs, ``memory_analysis``): the estimate must not be below it."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
+def prompt_memory(model, cfg, P: int, T: int, slots: int = 64) -> dict:
+    """The engine's estimate of its prefill call's memory (``device.prompt_call_bytes``, what its
+    ``prompt_bytes`` budget is checked against) beside this device's compiled count of that call
+    (the prefill keeping and inserting its rows, as the engine runs it, into ``slots`` slots;
+    ``memory_analysis``: temporaries and outputs not aliased to the donated state and store):
+    the estimate must not be below it."""
     from whale_jax.engine import device as dev
 
-    graphdef, params = nnx.split(model)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    analysis = dev._prefill.lower(graphdef, params, None, i32(P, T), i32(P)).compile()
-    analysis = analysis.memory_analysis()
-    estimate = dev.prompt_call_bytes(cfg, P, T, T, model.dtype) / 2**20
+    engine = dev.DeviceEngine(model, slots=slots, max_len=T, cache_rows=P)
+    moved = 0 if engine.loop_moves else P + slots
+    estimate = dev.prompt_call_bytes(cfg, P, T, T, model.dtype, moved=moved) / 2**20
+    analysis = engine.compile_ahead("prefill", ((P, T),)).memory_analysis()
+    del engine
     if analysis is None:
         return {"estimate": round(estimate, 1), "compiled": None}
-    compiled = (analysis.temp_size_in_bytes + analysis.output_size_in_bytes) / 2**20
-    return {"estimate": round(estimate, 1), "compiled": round(compiled, 1),
+    compiled = (analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+                - analysis.alias_size_in_bytes) / 2**20  # fmt: skip
+    return {"estimate": round(estimate, 1), "compiled": round(compiled, 1), "slots": slots,
             "estimate_over_compiled": round(estimate / compiled, 2)}  # fmt: skip
 
 

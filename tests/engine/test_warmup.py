@@ -294,3 +294,12 @@ def test_the_runs_record_only_grows_and_a_failed_write_is_reported(tiny_llama, t
         save_shape_record(run)
         assert len(lines) == 1 and "could not write the engine's shapes" in lines[0]
         assert sorted(p.name for p in tmp_path.iterdir()) == [warmup.RECORD_FILE]
+
+
+def test_a_merged_record_drops_steps_the_engine_no_longer_has():
+    """An older engine recorded its keep and insert calls as steps of their own ("store_put",
+    "insert"); they now run inside prefill and resume, so a run's file sheds them at its next
+    save instead of reporting them as unfit at every start."""
+    old = {"prefill": {((2, 16),)}, "insert": {(2, 16, 3)}, "store_put": {(2, 16, 2)}}
+    assert warmup.merge(old, {"generate": {(3, 32)}}) == {"prefill": {((2, 16),)},
+                                                         "generate": {(3, 32)}}  # fmt: skip

@@ -74,7 +74,9 @@ ENGINE_SCRIPT = textwrap.dedent(
     from whale_jax.engine import device
     before = [o.token_ids for o in engine.generate(reqs)]
     assert [o.token_ids for o in engine.generate(reqs)] == before  # every shape compiled now
-    compiled = [f._cache_size() for f in (device._prefill, device._insert, device._generate)]
+    steps = (device._prefill_placed, device._insert_stored, device._generate)
+    compiled = [f._cache_size() for f in steps]
+    assert min(compiled) > 0, compiled  # the steps the engine runs (the repeats: from the store)
     # The trainer's copy of the same weights, FSDP/TP-sharded over 8 devices.
     trained = load_model(path, mesh=make_mesh(data=2, fsdp=2, tp=2)).model
     assert len(trained.blocks.b0.mlp.up_proj.get_value().sharding.device_set) > 1
@@ -83,7 +85,7 @@ ENGINE_SCRIPT = textwrap.dedent(
     assert all(len(a.sharding.device_set) == 1 for a in leaves)  # resharded into the engine's
     after = [o.token_ids for o in engine.generate(reqs)]
     assert after == before, (before, after)
-    now = [f._cache_size() for f in (device._prefill, device._insert, device._generate)]
+    now = [f._cache_size() for f in steps]
     assert now == compiled, (compiled, now)  # jit caches hold no new executable
     print("RESHARDED OK")
     """

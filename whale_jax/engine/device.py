@@ -5,16 +5,16 @@ for full-attention layers, conv window + fp32 recurrent state for Gated DeltaNet
 the logits the next token is drawn from, how many tokens the slot's request has sampled, its stop
 ids, token budget and sampling settings. Every function that changes it donates it.
 
-- ``prefill(tokens_PT, lengths_P)``: P fresh prompts (right-padded to a length bucket) into a small
-  cache of capacity T; returns their last-token logits and that cache (a ``Prefix``).
-- ``resume(rows_P, start_P, tokens_PT, n_new_P)``: continues P store rows (a parked session, a
-  cached prompt prefix) by their new tokens without re-reading the earlier ones; on models with
-  attention layers only, a row may be continued from any prefix of its tokens.
-- ``insert(state, prefix, rows_M, slots_M, ...)``: copies prefix row ``rows_M[m]`` into slot
-  ``slots_M[m]``; one prefix row may fill several slots (n samples of one prompt, one prefill).
-- keeping prefix rows (state and logits) in the store: a prompt prefix that later requests
-  continue from, or a whole prompt that later ones start sampling from without any prefill
-  (``insert`` from store rows).
+- prefill: P fresh prompts (right-padded to a length bucket) into a small cache of capacity T: their
+  last-token logits and that cache (a ``Prefix``).
+- resume: continues P store rows (a parked session, a cached prompt prefix) by their new tokens
+  without re-reading the earlier ones; on models with attention layers only, a row may be
+  continued from any prefix of its tokens.
+- keep and insert, in the same call as the prefill or resume that made the rows: prefix rows
+  (state and logits) into store rows (a prompt prefix that later requests continue from, or a
+  whole prompt that later ones start sampling from without any prefill), and into slots (one
+  prefix row may fill several: n samples of one prompt, one prefill).
+- ``insert`` from store rows: whole prompts kept with their logits, into slots.
 - ``generate(state, occupied_B)``: up to ``steps`` tokens for every active slot inside one
   ``while_loop``: draw from the held logits, then feed the drawn token to the model. A slot stops
   on a stop id or its budget; the drawn stop token is not fed, so a finished slot's cache holds
@@ -589,11 +589,12 @@ class DeviceEngine:
         )  # fmt: skip
 
     # -- ahead-of-time compiles -----------------------------------------------------------------
-    def compile_ahead(self, name: str, signature: tuple) -> None:
+    def compile_ahead(self, name: str, signature: tuple):
         """Compiles step ``name`` for ``signature`` (as ``note`` records it) without running it:
         the abstract arguments carry the shardings the real call's arrays have, so a later call
         with that signature finds the program in jax's cache and runs it at once (and the
-        persistent compilation cache, where it is on, keeps it for the next process)."""
+        persistent compilation cache, where it is on, keeps it for the next process). Returns the
+        compiled program (its ``memory_analysis``: benchmarks, tests)."""
         i32 = jnp.int32
 
         def arg(shape, dtype=i32):  # a host array of the call (numpy: no sharding of its own)
@@ -634,7 +635,7 @@ class DeviceEngine:
             lowered = _insert_stored.lower(kv, loop, window, state, store, init(M))
         else:
             raise ValueError(f"no engine step {name!r}")
-        lowered.compile()
+        return lowered.compile()
 
     # -- memory ----------------------------------------------------------------------------------
     def slot_bytes(self) -> int:
@@ -658,15 +659,19 @@ def cache_bytes_per_slot(cfg, max_len: int, dtype=jnp.float32) -> int:
 
 
 def prompt_call_bytes(
-    cfg, rows: int, new: int, window: int, dtype=jnp.float32, *, resume: bool = False
-) -> int:
+    cfg, rows: int, new: int, window: int, dtype=jnp.float32, *, resume: bool = False,
+    moved: int = 0,
+) -> int:  # fmt: skip
     """An upper estimate of the device memory one prefill (``window`` = ``new``) or resume call
     of ``rows`` rows x ``new`` new tokens over a KV window of ``window`` positions allocates
     beyond the weights and the engine's state: the prefix it returns (each row's state at the
     window, and its logits; a resume's gathered rows beside it), one layer's activations with
     its fp32 attention scores and probabilities over the whole window (the causal blocks of a
     prefill read about half of it) or a Gated DeltaNet layer's fp32 chunk arrays, and one layer
-    group's weights (a scan step may copy them out of the stack). XLA's own count for such a
+    group's weights (a scan step may copy them out of the stack); with ``moved``, as many rows
+    of the window gathered at once (the accelerators' scatter row moves, which keep and insert
+    the call's rows in the same call: one per store row and slot entry, padding included; the
+    CPU's loop moves a row at a time and gathers none). XLA's own count for such a
     call on the CPU (``memory_analysis``: temporaries plus outputs) stays below it in fp32:
     tests/engine/test_prompt_budget.py. It counts what grows with the call's rows, tokens and
     window; fixed costs of well under a MiB can exceed it on the smallest calls, and XLA:CPU
@@ -675,15 +680,17 @@ def prompt_call_bytes(
     item = jnp.dtype(dtype).itemsize
     f32 = 4
     tokens = rows * new
-    out = rows * cache_bytes_per_slot(cfg, window, dtype) * (2 if resume else 1)
+    out = (rows * (2 if resume else 1) + moved) * cache_bytes_per_slot(cfg, window, dtype)
     d, f = cfg.hidden_size, cfg.intermediate_size
     layer = tokens * (4 * d + 3 * f) * item  # the residual stream and the SwiGLU
     kinds = set(cfg.layer_types)
     if FULL in kinds:
         h, n, k = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = tokens * (h * k * (2 if cfg.attn_output_gate else 1) + 2 * n * k + h * k) * item
-        # A prefill's causal blocks (``layers.causal_attention``) read about half the window.
-        span = window if resume else (window + ATTENTION_BLOCK) // 2
+        # A prefill's causal blocks (``layers.causal_attention``: at most 16) read about half
+        # the window.
+        block = max(ATTENTION_BLOCK, -(-window // 16))
+        span = window if resume else (window + block) // 2
         scores = 2 * rows * h * new * min(span, window) * f32
         layer = max(layer, qkv + scores + tokens * 2 * d * item)
     if kinds - {FULL}:

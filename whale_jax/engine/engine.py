@@ -769,7 +769,11 @@ class Engine:
         return list(segments.values())
 
     def _call_bytes(self, rows: int, new: int, window: int, resumed: bool) -> int:
-        return prompt_call_bytes(self.cfg, rows, new, window, self.device.dtype, resume=resumed)
+        # Scatter row moves gather what they keep (the call's rows) and insert (every slot
+        # entry) at once; the loop moves a row at a time.
+        moved = 0 if self.device.loop_moves else rows + self.config.slots
+        return prompt_call_bytes(self.cfg, rows, new, window, self.device.dtype, resume=resumed,
+                                 moved=moved)  # fmt: skip
 
     def _rows_fit(self, new: int, window: int, resumed: bool) -> int:
         """The most rows (a power of two, at most ``prefill_batch``'s, at least one) a call of
@@ -795,7 +799,8 @@ class Engine:
     def _call_size(self, rest: list[_Segment], resumed: bool) -> int:
         """How many of ``rest`` (shortest first) the next call computes: ``_batches``' first
         size under ``prefill_batch``, or the largest smaller one whose call fits
-        ``prompt_bytes`` (fewer rows are also shorter ones: the short prompts go together)."""
+        ``prompt_bytes`` (fewer rows also pad to fewer new tokens, so the short prompts go
+        together; a resume's window follows its longest row, which that order does not sort)."""
         most = self.config.prefill_batch
         while True:
             size = _batches(len(rest), most)[0]

@@ -93,10 +93,14 @@ def write_record(path: str, shapes: Mapping[str, Iterable[tuple]]) -> None:
 
 
 def merge(*records: Mapping[str, Iterable[tuple]]) -> Shapes:
+    """The records' shapes together, of the engine's steps only: a record from an older engine
+    lists steps since folded into others (``insert`` and ``store_put``, now inside prefill and
+    resume), which would otherwise stay in a run's file for good."""
     out: Shapes = {}
     for record in records:
         for name, sigs in record.items():
-            out.setdefault(name, set()).update(sigs)
+            if name in ORDER:
+                out.setdefault(name, set()).update(sigs)
     return out
 
 
