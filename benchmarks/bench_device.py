@@ -17,7 +17,8 @@ Parts, in order (``--parts`` picks among all but the first):
      mean context) / bandwidth)``, a bound: it counts every byte read once and nothing written;
    - prefill: ``--prefill-batch`` prompts of ``--prefill-len`` tokens in one call; tokens/s and
      MFU (the forward's matmul FLOPs, attention at the mean causal context); the engine's memory
-     estimate of that call beside XLA's compiled count on this device;
+     estimate of its own prefill call at that shape (keeping and inserting its rows, 64 slots)
+     beside XLA's compiled count on this device;
    - train: the RSFT train step (bf16 compute, fp32 masters, remat) over ``--train-rows`` rows of
      ``--train-len`` tokens, their second half trained; tokens/s and MFU (3x the forward's FLOPs).
    A part that fails (memory) is recorded with its error and the program goes on.
