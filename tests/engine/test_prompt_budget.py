@@ -4,6 +4,7 @@ a batch whose call would not fit ``prompt_bytes`` (same tokens, smaller calls)."
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax.numpy as jnp
@@ -75,8 +76,8 @@ CONFIG = EngineConfig(slots=16, max_len=128, steps=4, prefill_batch=8, min_kv_bu
                       min_kept_tokens=0, cache_rows=32, prefix_cache=False)  # fmt: skip
 
 
-def budgeted(engine_cls, model, **options):
-    return engine_cls(model, EngineConfig(**{**CONFIG.__dict__, **options}), eos_ids=())
+def budgeted(model, **options):
+    return Engine(model, dataclasses.replace(CONFIG, **options), eos_ids=())
 
 
 def test_admission_splits_a_call_that_would_not_fit(tiny_llama):
@@ -84,18 +85,16 @@ def test_admission_splits_a_call_that_would_not_fit(tiny_llama):
     long ones in calls of 2, and every call the engine met lies inside its shape space. The
     tokens are those of an engine whose calls all fit."""
     model, cfg, _ = tiny_llama
-    probe = budgeted(Engine, model, prompt_bytes=1 << 40)
-    probe.close()
-    fits = lambda P, T: probe._call_bytes(P, T, T, False)  # noqa: E731
-    budget = max(fits(8, 16), fits(2, 64))
-    assert fits(4, 64) > budget, "the model's numbers no longer give this test its split"
     prompts = prompts_for(cfg.vocab_size, seed=7,
                           lengths=(5, 9, 12, 14, 7, 3, 10, 16, 40, 50, 60, 45, 55, 63))  # fmt: skip
     requests = [Request(prompt_ids=p, sampling=greedy(3)) for p in prompts]
-    with budgeted(Engine, model, prompt_bytes=1 << 40) as free:
+    with budgeted(model, prompt_bytes=1 << 40) as free:
         want = [c.token_ids for c in free.generate(requests)]
         assert max(P for ((P, T),) in free.device.signatures["prefill"] if T == 64) > 2
-    with budgeted(Engine, model, prompt_bytes=budget) as engine:
+        fits = lambda P, T: free._call_bytes(P, T, T, False)  # noqa: E731
+    budget = max(fits(8, 16), fits(2, 64))
+    assert fits(4, 64) > budget, "the model's numbers no longer give this test its split"
+    with budgeted(model, prompt_bytes=budget) as engine:
         assert engine._rows_fit(16, 16, False) == 8 and engine._rows_fit(64, 64, False) == 2
         got = [c.token_ids for c in engine.generate(requests)]
         met = engine.device.signatures
@@ -113,13 +112,13 @@ def test_admission_splits_a_call_that_would_not_fit(tiny_llama):
 def test_the_budget_defaults_to_a_share_of_free_memory(tiny_llama, monkeypatch, caplog):
     model, _, _ = tiny_llama
     monkeypatch.setattr(engine_module, "free_device_bytes", lambda *a: 3 << 30)
-    with budgeted(Engine, model) as engine:
+    with budgeted(model) as engine:
         assert engine.config.prompt_bytes == int(engine_module.PROMPT_SHARE * (3 << 30))
         assert engine.config.steps == 4 and engine.config.prefill_batch == 8
     monkeypatch.setattr(engine_module, "free_device_bytes", lambda *a: None)
-    with budgeted(Engine, model) as engine:  # no figure: room for the biggest call allowed
+    with budgeted(model) as engine:  # no figure: room for the biggest call allowed
         assert engine._rows_fit(128, 128, True) == 8
     # A budget under one prompt of max_len is said at the start (it may not fit the device).
     with caplog.at_level(logging.WARNING, logger="whale_jax.engine.engine"):
-        budgeted(Engine, model, prompt_bytes=1024).close()
+        budgeted(model, prompt_bytes=1024).close()
     assert "lower max_len" in caplog.text

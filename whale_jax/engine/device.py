@@ -511,12 +511,10 @@ class DeviceEngine:
         """Prefills P fresh prompts and, in the same call, keeps prefix rows ``keep[0]`` in
         store rows ``keep[1]`` and fills slots from prefix rows (``init``); index entries past
         the end of the store or the slots are padding."""
-        src, dst = self._keep(keep)
-        self._check_slots(init)
         self.note("prefill", tokens_PT.shape)
         self.state, self.store = _prefill_placed(
             self.graphdef, self.kv, self.loop_moves, self.params, None, self.state, self.store,
-            tokens_PT, lengths_P, (src, dst), _init_arrays(init),
+            tokens_PT, lengths_P, self._places(keep, init), _init_arrays(init),
         )  # fmt: skip
 
     def resume(self, rows_P, start_P, tokens_PT, n_new_P, kv_len: int | None, keep,
@@ -526,22 +524,20 @@ class DeviceEngine:
         places the results as ``prefill`` does; ``kv_len`` bounds every row's length after them
         (None: the whole capacity)."""
         kv_len = self.max_len if kv_len is None else min(kv_len, self.max_len)
-        src, dst = self._keep(keep)
-        self._check_slots(init)
         self.note("resume", tokens_PT.shape, kv_len)
         self.state, self.store = _resume_placed(
             self.graphdef, self.kv, kv_len, self.loop_moves, self.params, None, self.state,
-            self.store, rows_P, np.asarray(start_P, np.int32), tokens_PT, n_new_P, (src, dst),
-            _init_arrays(init),
+            self.store, rows_P, np.asarray(start_P, np.int32), tokens_PT, n_new_P,
+            self._places(keep, init), _init_arrays(init),
         )  # fmt: skip
 
-    def _keep(self, keep) -> tuple[np.ndarray, np.ndarray]:
+    def _places(self, keep, init: SlotInit) -> tuple[np.ndarray, np.ndarray]:
+        """``keep`` as the call's index arrays, once both its store rows and ``init``'s slots
+        are checked (padding after the real entries)."""
         src, dst = (np.asarray(x, np.int32) for x in keep)
         _check_padding("keep", dst, self.store.logits.shape[0])
-        return src, dst
-
-    def _check_slots(self, init: SlotInit) -> None:
         _check_padding("insert", init.slots, self.slots)
+        return src, dst
 
     @property
     def partial_resume(self) -> bool:
@@ -551,7 +547,7 @@ class DeviceEngine:
     def insert(self, init: SlotInit, window: int | None = None) -> None:
         """Fills slots from store rows (whole prompts kept with their logits), copying their
         first ``window`` positions (a bucket bounding the rows' lengths)."""
-        self._check_slots(init)
+        _check_padding("insert", init.slots, self.slots)
         window = self.max_len if window is None else min(window, self.max_len)
         self.note("insert_stored", window, len(init.rows))
         self.state = _insert_stored(self.kv, self.loop_moves, window, self.state, self.store,
